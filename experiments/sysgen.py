@@ -1,0 +1,58 @@
+"""Systematic generalization on 2-hop composition ("Grokked Transformers", LTG).
+
+Variants: `tiny` (smoke test, under a minute), `cpu` (default; a few minutes on a
+2-core laptop), `paper` (LTG's systematicity setting).
+
+  python -m loopjax.main --config=experiments/sysgen.py --workdir=runs/sysgen
+  python -m loopjax.main --config=experiments/sysgen.py:tiny --workdir=runs/tiny
+  python -m loopjax.main --config=experiments/sysgen.py:paper --workdir=runs/paper
+"""
+
+from loopjax import config as config_lib
+
+
+def get_config(variant: str = "cpu"):
+  c = config_lib.base()
+  c.variant = variant
+  if variant == "tiny":
+    c.data.update(
+      num_entities=24,
+      num_relations=8,
+      out_degree=6,
+      ood_ratio=0.2,
+      phi=3.0,
+      probe_size=64,
+    )
+    c.model.update(d_model=32, num_heads=2, num_layers=1, num_loops=2)
+    c.train.update(batch_size=64, num_steps=60, lr=5e-3, warmup_steps=10)
+    c.eval.batch_size = 256
+    c.checkpoint.every = 20
+    c.eval_every = 20
+    c.log_every = 10
+  elif variant == "cpu":
+    pass  # config_lib.base() is this variant
+  elif variant == "paper":
+    c.data.update(
+      num_entities=2000,
+      num_relations=200,
+      out_degree=20,
+      ood_ratio=0.05,
+      p_test_id=0.005,
+      phi=7.2,
+      probe_size=3000,
+    )
+    c.model.update(d_model=768, num_heads=12, num_layers=4, num_loops=4)
+    c.train.update(
+      batch_size=128,
+      num_steps=1_000_000,
+      lr=1e-4,
+      warmup_steps=2000,
+      weight_decay=0.1,
+      label_smoothing=0.1,
+      b2=0.999,
+    )
+    c.checkpoint.update(every=10_000, keep_every=100_000)
+    c.eval_every = 5000
+  else:
+    raise ValueError(f"variant: must be one of tiny, cpu, paper; got {variant!r}")
+  return c

@@ -1,0 +1,1 @@
+"""loopjax: recurrent-depth transformers on synthetic knowledge graphs, in JAX."""

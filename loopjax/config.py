@@ -1,0 +1,196 @@
+"""Config defaults, validation and workdir compatibility.
+
+Experiment files under `experiments/` start from `base()` and set what their
+paper's hyperparameter table says. `validate` runs before anything compiles and
+raises `ConfigError` with one line naming the field and what is allowed.
+"""
+
+import json
+import math
+
+import ml_collections
+
+ENUMS = {
+  "data.task": ("composition",),
+  "model.pos_encoding": ("learned", "sinusoidal", "none"),
+  "model.injection": ("none", "add", "concat"),
+  "model.norm_position": ("pre", "sandwich", "post"),
+  "model.norm_type": ("layernorm", "rmsnorm"),
+  "model.init_state": ("embedding", "zeros", "random"),
+  "model.remat": ("none", "full", "dots"),
+  "model.dtype": ("float32", "bfloat16"),
+  "train.schedule": ("constant", "cosine"),
+}
+
+# Fields that may change when a run resumes: how long and how often, not what.
+RESUMABLE = (
+  "train.num_steps",
+  "eval_every",
+  "log_every",
+  "checkpoint",
+  "eval",
+  "data.data_dir",
+)
+
+
+class ConfigError(ValueError):
+  """Bad input (a config value, a data file); the message is one line for the user."""
+
+
+def base() -> ml_collections.ConfigDict:
+  """Every field loopjax reads, with defaults; experiments override them."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.data = dict(
+    source="generate",  # or "grokked_json:DIR"
+    task="composition",
+    data_dir="~/loopjax_data",  # where TFDS datasets are prepared
+    num_entities=50,
+    num_relations=40,
+    out_degree=20,
+    ood_ratio=0.2,  # fraction of atomic facts that are OOD
+    p_test_id=0.1,  # ID-ID inferred facts held out for test_inferred_id
+    phi=12.0,  # inferred facts per ID atomic fact in the training set
+    probe_size=300,  # examples per probe split (at most)
+    seed=0,
+  )
+
+  c.model = dict(
+    d_model=64,
+    num_heads=4,
+    mlp_ratio=4,
+    num_prelude=0,
+    num_layers=1,  # L: layers in the shared core
+    num_loops=4,  # R: iterations of the core
+    num_coda=0,
+    pos_encoding="learned",
+    injection="none",
+    norm_position="pre",
+    norm_type="layernorm",
+    init_state="embedding",
+    init_std=0.02,
+    tie_embeddings=True,
+    remat="none",
+    dtype="float32",
+  )
+
+  c.train = dict(
+    batch_size=256,
+    num_steps=3000,
+    lr=2e-3,
+    warmup_steps=100,
+    schedule="constant",
+    weight_decay=0.3,
+    b1=0.9,
+    b2=0.98,
+    grad_clip=1.0,
+    label_smoothing=0.0,
+  )
+
+  c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
+  c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
+  c.eval_every = 250
+  c.log_every = 50
+  return c
+
+
+def _positive(c, *fields):
+  for f in fields:
+    if _get(c, f) < 1:
+      raise ConfigError(f"{f}: must be >= 1, got {_get(c, f)!r}")
+
+
+def _get(c, path):
+  for k in path.split("."):
+    c = c[k]
+  return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Raises ConfigError naming the first bad field."""
+  for field, allowed in ENUMS.items():
+    if _get(c, field) not in allowed:
+      raise ConfigError(
+        f"{field}: must be one of {', '.join(allowed)}; got {_get(c, field)!r}"
+      )
+  d, m, t = c.data, c.model, c.train
+  if not (d.source == "generate" or d.source.startswith("grokked_json:")):
+    raise ConfigError(
+      f"data.source: must be 'generate' or 'grokked_json:DIR'; got {d.source!r}"
+    )
+  _positive(
+    c,
+    "data.num_entities",
+    "data.num_relations",
+    "data.out_degree",
+    "data.probe_size",
+    "model.d_model",
+    "model.num_heads",
+    "model.mlp_ratio",
+    "model.num_layers",
+    "model.num_loops",
+    "train.batch_size",
+    "train.num_steps",
+    "eval.batch_size",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "eval_every",
+    "log_every",
+  )
+  if d.out_degree > d.num_relations:
+    raise ConfigError(
+      f"data.out_degree: must be <= data.num_relations "
+      f"({d.num_relations}); got {d.out_degree}"
+    )
+  for f in ("data.ood_ratio", "data.p_test_id"):
+    if not 0.0 <= _get(c, f) <= 1.0:
+      raise ConfigError(f"{f}: must be in [0, 1]; got {_get(c, f)!r}")
+  if not (math.isfinite(d.phi) and d.phi >= 0):
+    raise ConfigError(f"data.phi: must be a finite number >= 0; got {d.phi!r}")
+  if m.d_model % m.num_heads:
+    raise ConfigError(
+      f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
+    )
+  for f in (
+    "model.num_prelude",
+    "model.num_coda",
+    "train.warmup_steps",
+    "checkpoint.keep_every",
+  ):
+    if _get(c, f) < 0:
+      raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")
+  if m.injection == "none" and m.init_state != "embedding":
+    raise ConfigError(
+      f"model.init_state: must be 'embedding' when model.injection is "
+      f"'none' (else the core never sees the input); got {m.init_state!r}"
+    )
+  if not (t.lr > 0 and math.isfinite(t.lr)):
+    raise ConfigError(f"train.lr: must be > 0; got {t.lr!r}")
+  for f in ("train.weight_decay", "train.grad_clip"):
+    if _get(c, f) < 0:
+      raise ConfigError(f"{f}: must be >= 0 (0 disables); got {_get(c, f)!r}")
+  for f in ("train.b1", "train.b2", "train.label_smoothing"):
+    if not 0.0 <= _get(c, f) < 1.0:
+      raise ConfigError(f"{f}: must be in [0, 1); got {_get(c, f)!r}")
+  if any(int(r) < 1 for r in c.eval.depths):
+    raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
+
+
+def to_json(c: ml_collections.ConfigDict) -> str:
+  return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=list)
+
+
+def conflicts(old: dict, new: dict, prefix: str = "") -> list[str]:
+  """Fields whose values differ between two config dicts, except RESUMABLE ones."""
+  out = []
+  for k in sorted(set(old) | set(new)):
+    path = f"{prefix}{k}"
+    if any(path == r or path.startswith(r + ".") for r in RESUMABLE):
+      continue
+    a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += conflicts(a, b, path + ".")
+    elif a != b:
+      out.append(f"{path}={a!r} (workdir) vs {b!r} (new)")
+  return out

@@ -1,0 +1,20 @@
+"""Task data as integer arrays: generated (stored via TFDS) or the papers' JSON."""
+
+from loopjax.config import ConfigError
+from loopjax.data import grokked_json, tfds_kg
+from loopjax.data.kg import TaskData, Vocab, fingerprint
+
+__all__ = ["TaskData", "Vocab", "fingerprint", "load"]
+
+_JSON = "grokked_json:"
+
+
+def load(data_cfg) -> TaskData:
+  """The splits that `data_cfg.source` names."""
+  if data_cfg.source == "generate":
+    return tfds_kg.read(data_cfg)
+  if data_cfg.source.startswith(_JSON):
+    return grokked_json.load(data_cfg.source.removeprefix(_JSON))
+  raise ConfigError(
+    f"data.source: must be 'generate' or '{_JSON}DIR'; got {data_cfg.source!r}"
+  )

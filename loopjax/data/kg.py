@@ -1,0 +1,155 @@
+"""2-hop composition data ("Grokked Transformers", Wang et al. 2024) as int arrays.
+
+A random knowledge graph gives atomic facts (h, r) -> t. Chaining two of them gives
+inferred facts (h, r1, r2) -> t through a bridge entity b. Some atomic facts are
+OOD: they are trained on only as atomic facts, so inferred facts whose two hops are
+both OOD test systematic composition. Everything derives from one seed.
+"""
+
+import dataclasses
+import hashlib
+
+import numpy as np
+
+from loopjax.config import ConfigError
+
+SPLITS = (
+  "train",
+  "id_atomic",
+  "ood_atomic",
+  "train_inferred",
+  "test_inferred_id",
+  "test_inferred_ood",
+)
+PROBES = SPLITS[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+  """Token ids: entities [0, E), relations [E, E+R), then pad."""
+
+  num_entities: int
+  num_relations: int
+
+  @property
+  def pad_id(self) -> int:
+    return self.num_entities + self.num_relations
+
+  @property
+  def vocab_size(self) -> int:
+    return self.pad_id + 1
+
+
+# "inputs" (N, 3) int32: [h, r, pad] for atomic facts, [h, r1, r2] for inferred ones;
+# "target" (N,) int32; "bridge" (N,) int32, -1 for atomic facts.
+Split = dict[str, np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskData:
+  vocab: Vocab
+  splits: dict[str, Split]  # keyed by SPLITS
+
+
+def composition(
+  *,
+  num_entities: int,
+  num_relations: int,
+  out_degree: int,
+  ood_ratio: float,
+  p_test_id: float,
+  phi: float,
+  probe_size: int,
+  seed: int,
+) -> TaskData:
+  """Generates the 2-hop composition task; same arguments, same arrays."""
+  E, R, D = num_entities, num_relations, out_degree
+  vocab = Vocab(E, R)
+  rng = np.random.default_rng(seed)
+  # Atomic fact a = h * D + i is (h, rel_A[a]) -> tail_A[a].
+  rel_A = (E + np.argsort(rng.random((E, R)), axis=1)[:, :D]).ravel()
+  tail_A = rng.integers(0, E, E * D)
+  ood_A = np.zeros(E * D, bool)
+  ood_A[rng.choice(E * D, round(ood_ratio * E * D), replace=False)] = True
+
+  # Chain c = a1 * D + j follows a1 with the j-th fact of its tail entity.
+  hop1_C = np.repeat(np.arange(E * D), D)
+  hop2_C = (tail_A[:, None] * D + np.arange(D)).ravel()
+  ood1_C, ood2_C = ood_A[hop1_C], ood_A[hop2_C]
+  both_id_C = ~ood1_C & ~ood2_C
+  held_out_C = rng.random(len(hop1_C)) < p_test_id
+  pool_ood = np.flatnonzero(ood1_C & ood2_C)
+  pool_test_id = np.flatnonzero(both_id_C & held_out_C)
+  pool_train = np.flatnonzero(both_id_C & ~held_out_C)
+
+  atomic_id, atomic_ood = np.flatnonzero(~ood_A), np.flatnonzero(ood_A)
+  num_inferred = round(phi * len(atomic_id))
+  if num_inferred > len(pool_train):
+    raise ConfigError(
+      f"data.phi: {phi} asks for {num_inferred} inferred training facts but only "
+      f"{len(pool_train)} exist; use at most {len(pool_train) / len(atomic_id):.6g}"
+    )
+  train_inferred = rng.choice(pool_train, num_inferred, replace=False)
+
+  no_hop = np.full(E * D, -1)
+  train = _shuffle(
+    rng,
+    (
+      np.concatenate([np.arange(E * D), hop1_C[train_inferred]]),
+      np.concatenate([no_hop, hop2_C[train_inferred]]),
+    ),
+  )
+  probes = {
+    "id_atomic": (atomic_id, no_hop[atomic_id]),
+    "ood_atomic": (atomic_ood, no_hop[atomic_ood]),
+    "train_inferred": (hop1_C[train_inferred], hop2_C[train_inferred]),
+    "test_inferred_id": (hop1_C[pool_test_id], hop2_C[pool_test_id]),
+    "test_inferred_ood": (hop1_C[pool_ood], hop2_C[pool_ood]),
+  }
+  pairs = {"train": train} | {
+    name: _sample(rng, pair, probe_size) for name, pair in probes.items()
+  }
+  return TaskData(
+    vocab,
+    {
+      name: _examples(hop1, hop2, rel_A, tail_A, D, vocab)
+      for name, (hop1, hop2) in pairs.items()
+    },
+  )
+
+
+def _shuffle(rng, pair):
+  order = rng.permutation(len(pair[0]))
+  return pair[0][order], pair[1][order]
+
+
+def _sample(rng, pair, size):
+  keep = rng.choice(len(pair[0]), min(size, len(pair[0])), replace=False)
+  return pair[0][keep], pair[1][keep]
+
+
+def _examples(hop1_N, hop2_N, rel_A, tail_A, D, vocab) -> Split:
+  """Facts as atomic-fact indices (hop2 = -1 for an atomic fact) -> token arrays."""
+  atomic_N = hop2_N < 0
+  last_N = np.where(atomic_N, hop1_N, hop2_N)
+  inputs_N3 = np.stack(
+    [hop1_N // D, rel_A[hop1_N], np.where(atomic_N, vocab.pad_id, rel_A[last_N])],
+    axis=1,
+  )
+  return {
+    "inputs": inputs_N3.astype(np.int32),
+    "target": tail_A[last_N].astype(np.int32),
+    "bridge": np.where(atomic_N, -1, tail_A[hop1_N]).astype(np.int32),
+  }
+
+
+def fingerprint(data: TaskData) -> str:
+  """sha256 of the vocab and every array, independent of platform byte order."""
+  h = hashlib.sha256(f"{data.vocab.num_entities},{data.vocab.num_relations}".encode())
+  for name in sorted(data.splits):
+    for key in sorted(data.splits[name]):
+      a = np.ascontiguousarray(data.splits[name][key])
+      a = a.astype(a.dtype.newbyteorder("<"), copy=False)
+      h.update(f"|{name}/{key}:{a.dtype.str}:{a.shape}|".encode())
+      h.update(a.tobytes())
+  return h.hexdigest()

@@ -1,0 +1,112 @@
+"""Accuracy and loss on every probe split, at one or several inference depths.
+
+One forward pass to the deepest requested depth reads the answer after every
+iteration, so all depths cost one compiled program and one pass over the data.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from loopjax import checkpoint, data
+from loopjax.config import ConfigError
+from loopjax.data import pipeline
+from loopjax.state import answer_loss, build_model, cast, init_state, make_optimizer
+
+
+class Evaluator:
+  """Evaluates params on all probe splits (every split but `train`)."""
+
+  def __init__(self, graphdef, config, task, depths=()):
+    self.R = config.model.num_loops
+    self.depths = sorted({int(d) for d in depths} | {self.R})
+    self.probes = {k: v for k, v in task.splits.items() if k != "train"}
+    self.pad = task.vocab.pad_id
+    self.batch_size = min(
+      config.eval.batch_size, max(len(v["target"]) for v in self.probes.values())
+    )
+    key, dtype, R_eval = (
+      jax.random.key(config.seed),
+      config.model.dtype,
+      self.depths[-1],
+    )
+
+    @jax.jit
+    def eval_step(params, batch):
+      model = nnx.merge(graphdef, cast(params, dtype))
+      _, logits_RBV = model(
+        batch["inputs"],
+        batch["answer_pos"],
+        num_loops=R_eval,
+        per_iteration=True,
+        key=key,
+      )
+      return jax.vmap(lambda l: answer_loss(l, batch["target"], batch["weight"], 0.0))(
+        logits_RBV
+      )
+
+    self._eval_step = eval_step
+
+  def per_depth(self, params) -> dict:
+    """{split: {"acc": {depth: .}, "loss": {depth: .}}}."""
+    out = {}
+    for name, split in self.probes.items():
+      sums = [
+        self._eval_step(params, b)
+        for b in pipeline.eval_batches(split, self.batch_size, self.pad)
+      ]
+      loss_R, correct_R = np.asarray(jax.device_get(jnp.sum(jnp.array(sums), 0)))
+      n = len(split["target"])
+      out[name] = {
+        "acc": {d: float(correct_R[d - 1] / n) for d in self.depths},
+        "loss": {d: float(loss_R[d - 1] / n) for d in self.depths},
+      }
+    return out
+
+  def run(self, params) -> dict:
+    """Flat metrics: `eval/<split>/{acc,loss}` at the train depth, `acc@<d>` else."""
+    out = {}
+    for name, res in self.per_depth(params).items():
+      out[f"eval/{name}/acc"] = res["acc"][self.R]
+      out[f"eval/{name}/loss"] = res["loss"][self.R]
+      out |= {f"eval/{name}/acc@{d}": a for d, a in res["acc"].items() if d != self.R}
+    return out
+
+
+def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
+  """`--mode=eval`: restores a checkpoint, writes `eval/step_<N>.json`."""
+  workdir = Path(workdir)
+  task = data.load(config.data)
+  model = build_model(
+    config.model,
+    task.vocab.vocab_size,
+    task.splits["train"]["inputs"].shape[1],
+    config.seed,
+  )
+  graphdef, state = init_state(model, make_optimizer(config.train), config.seed)
+  mngr = checkpoint.manager(workdir, config.checkpoint)
+  state, step = checkpoint.restore(mngr, checkpoint.abstract(state), step=step)
+  if state is None:
+    raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
+  depths = tuple(config.eval.depths) or (config.model.num_loops,)
+  results = Evaluator(graphdef, config, task, depths).per_depth(state["params"])
+  report = {
+    "step": step,
+    "depths": list(depths),
+    "fingerprint": data.fingerprint(task),
+    "splits": results,
+  }
+  out = workdir / "eval" / f"step_{step}.json"
+  out.parent.mkdir(exist_ok=True)
+  out.write_text(json.dumps(report, indent=2))
+  width = max(map(len, results))
+  print(f"accuracy at step {step} by inference depth R:")
+  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in depths))
+  for name, res in results.items():
+    print(f"{name:<{width}}" + "".join(f"{res['acc'][d]:8.3f}" for d in depths))
+  print(f"wrote {out}")
+  return report

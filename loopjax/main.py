@@ -1,0 +1,75 @@
+"""Entry point: parses flags and hands over to training or evaluation.
+
+  python -m loopjax.main --config=experiments/sysgen.py[:variant] --workdir=DIR \
+      [--config.model.num_loops=8 ...] [--mode=train|eval] [--step=N]
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from loopjax import config as config_lib
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file[:variant].", lock_config=True
+)
+flags.DEFINE_string(
+  "workdir", None, "Directory of the run (config, logs, checkpoints)."
+)
+flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do with the workdir.")
+flags.DEFINE_integer("step", None, "--mode=eval: checkpoint step (default: newest).")
+
+
+def _fail(message: str):
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse(argv):
+  try:
+    return FLAGS(argv)
+  except (flags.Error, ValueError, KeyError, AttributeError) as e:
+    lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
+    _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")  # skip traceback
+
+
+def _load_config(workdir: Path):
+  if FLAGS.config is not None:
+    return FLAGS.config
+  if FLAGS.mode == "eval" and (workdir / "config.json").exists():
+    return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+  _fail("--config is required (for --mode=eval, a workdir with config.json will do)")
+
+
+def main(argv):
+  if len(argv) > 1:
+    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not FLAGS.workdir:
+    _fail("--workdir is required")
+  workdir = Path(FLAGS.workdir).expanduser()
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  config = _load_config(workdir)
+  try:
+    config_lib.validate(config)
+    from loopjax import evaluate, train  # after validation: nothing compiles first
+
+    if FLAGS.mode == "train":
+      train.train_and_evaluate(config, workdir)
+      print(
+        f"outputs in {workdir}: metrics.jsonl, checkpoints/, "
+        f"TensorBoard: tensorboard --logdir {workdir / 'tb'}"
+      )
+    else:
+      train.check_workdir(config, workdir)
+      evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
+  except config_lib.ConfigError as e:
+    _fail(str(e))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse)

@@ -1,0 +1,5 @@
+"""The looped (recurrent-depth) transformer."""
+
+from loopjax.model.transformer import LoopedTransformer
+
+__all__ = ["LoopedTransformer"]

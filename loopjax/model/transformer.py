@@ -1,0 +1,109 @@
+"""LoopedTransformer: embed -> prelude -> core^R -> coda -> norm -> unembed."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from loopjax import recurrence
+from loopjax.model.layers import Block, Norm, param, zeros
+
+
+def sinusoidal(max_len: int, d: int) -> np.ndarray:
+  pos_T1 = np.arange(max_len)[:, None]
+  freq_H = np.exp(-np.log(10_000.0) * np.arange(0, d, 2) / d)
+  pe_TD = np.zeros((max_len, d), np.float32)
+  pe_TD[:, 0::2] = np.sin(pos_T1 * freq_H)
+  pe_TD[:, 1::2] = np.cos(pos_T1 * freq_H[: d // 2])
+  return pe_TD
+
+
+class LoopedTransformer(nnx.Module):
+  """A block of L layers whose weights are shared across R iterations.
+
+  `cfg` is the `model` section of the config. The answer is read at
+  `answer_pos_B` (the last real token); with `per_iteration=True` the call
+  also returns the answer logits after each iteration, shape (R, B, V).
+  """
+
+  def __init__(self, cfg, vocab_size: int, max_len: int, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    d = cfg.d_model
+    normal = nnx.initializers.normal(cfg.init_std)
+    self.embed = param(rngs, normal, (vocab_size, d), ("vocab", "embed"))
+    self.pos = (
+      param(rngs, normal, (max_len, d), (None, "embed"))
+      if cfg.pos_encoding == "learned"
+      else None
+    )
+    self.prelude = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_prelude)])
+    self.core = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.coda = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_coda)])
+    if cfg.injection == "concat":
+      self.adapter = param(rngs, normal, (2 * d, d), (None, "embed"))
+      self.adapter_b = zeros(rngs, (d,), ("embed",))
+    self.norm = Norm(d, cfg.norm_type, rngs=rngs)
+    self.unembed = (
+      None
+      if cfg.tie_embeddings
+      else param(rngs, normal, (d, vocab_size), ("embed", "vocab"))
+    )
+
+  def embed_tokens(self, tokens_BT):
+    x_BTD = self.embed[tokens_BT]
+    T, D = x_BTD.shape[1:]
+    if self.cfg.pos_encoding == "learned":
+      x_BTD = x_BTD + self.pos[None, :T]
+    elif self.cfg.pos_encoding == "sinusoidal":
+      x_BTD = x_BTD + sinusoidal(T, D)[None]
+    return x_BTD
+
+  def initial_state(self, x_BTD, key):
+    if self.cfg.init_state == "embedding":
+      return x_BTD
+    if self.cfg.init_state == "zeros":
+      return jnp.zeros_like(x_BTD)
+    return jax.random.normal(key, x_BTD.shape, x_BTD.dtype)  # Huginn-style
+
+  def core_step(self, h_BTD, x_BTD):
+    """One iteration of the shared core, with the input injected first."""
+    if self.cfg.injection == "add":
+      h_BTD = h_BTD + x_BTD
+    elif self.cfg.injection == "concat":
+      h_BTD = (
+        jnp.concatenate([h_BTD, x_BTD], -1) @ self.adapter + self.adapter_b[None, None]
+      )
+    for block in self.core:
+      h_BTD = block(h_BTD)
+    return h_BTD
+
+  def readout(self, h_BTD, answer_pos_B):
+    """Coda, final norm and unembedding at the answer position: logits (B, V)."""
+    for block in self.coda:
+      h_BTD = block(h_BTD)
+    h_B1D = self.norm(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1))
+    w_DV = self.embed.T if self.unembed is None else self.unembed
+    return (h_B1D[:, 0] @ w_DV.astype(h_B1D.dtype)).astype(jnp.float32)
+
+  def __call__(
+    self,
+    tokens_BT,
+    answer_pos_B,
+    *,
+    num_loops: int | None = None,
+    per_iteration: bool = False,
+    key=None,
+  ):
+    x_BTD = self.embed_tokens(tokens_BT)
+    for block in self.prelude:
+      x_BTD = block(x_BTD)
+    h_BTD = self.initial_state(x_BTD, key)
+    h_BTD, logits_RBV = recurrence.unroll(
+      lambda h: self.core_step(h, x_BTD),
+      h_BTD,
+      num_loops or self.cfg.num_loops,
+      remat=self.cfg.remat,
+      readout=(lambda h: self.readout(h, answer_pos_B)) if per_iteration else None,
+    )
+    logits_BV = self.readout(h_BTD, answer_pos_B)
+    return (logits_BV, logits_RBV) if per_iteration else logits_BV

@@ -1,0 +1,64 @@
+"""Model, optimizer and train-state construction, shared by training and eval."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from loopjax.model import LoopedTransformer
+
+
+def build_model(model_cfg, vocab_size: int, max_len: int, seed: int):
+  cfg = ml_collections.FrozenConfigDict(model_cfg)
+  return LoopedTransformer(cfg, vocab_size, max_len, rngs=nnx.Rngs(seed))
+
+
+def make_optimizer(tc) -> optax.GradientTransformation:
+  """AdamW with linear warmup, then constant or cosine decay to 0."""
+  decay_steps = max(tc.num_steps - tc.warmup_steps, 1)
+  after = (
+    optax.constant_schedule(tc.lr)
+    if tc.schedule == "constant"
+    else optax.cosine_decay_schedule(tc.lr, decay_steps)
+  )
+  lr = optax.join_schedules(
+    [optax.linear_schedule(0.0, tc.lr, tc.warmup_steps), after], [tc.warmup_steps]
+  )
+  # Decay matrices only, not biases, norm scales or positions' offsets.
+  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+  adamw = optax.adamw(
+    lr, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask
+  )
+  return (
+    optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
+    if tc.grad_clip > 0
+    else adamw
+  )
+
+
+def init_state(model, tx, seed: int):
+  graphdef, params = nnx.split(model, nnx.Param)
+  state = {
+    "params": params,
+    "opt_state": tx.init(params),
+    "step": jnp.zeros((), jnp.int32),
+    "rng": jax.random.key(seed),
+  }
+  return graphdef, state
+
+
+def cast(params, dtype: str):
+  """Compute-dtype copy of float32 master weights (gradients flow back)."""
+  return (
+    jax.tree.map(lambda p: p.astype(dtype), params) if dtype != "float32" else params
+  )
+
+
+def answer_loss(logits_BV, target_B, weight_B, label_smoothing: float):
+  """Weighted-sum cross-entropy (with label smoothing) and correct count."""
+  V = logits_BV.shape[-1]
+  labels_BV = optax.smooth_labels(jax.nn.one_hot(target_B, V), label_smoothing)
+  loss_B = optax.softmax_cross_entropy(logits_BV, labels_BV)
+  correct_B = (logits_BV.argmax(-1) == target_B).astype(jnp.float32)
+  return (loss_B * weight_B).sum(), (correct_B * weight_B).sum()

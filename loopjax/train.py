@@ -1,0 +1,181 @@
+"""Training: a pure, jitted train step over NNX state, and the loop around it.
+
+The state is a plain pytree `{"params", "opt_state", "step", "rng"}`; the model's
+graph definition is static. `train_step` is compiled once and donates its input
+state; the loop dispatches step N before it reads step N-1's metrics, so the host
+never waits on the device just to log.
+"""
+
+import json
+import signal
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+from loopjax import checkpoint, data, evaluate, metrics
+from loopjax.config import ConfigError, conflicts, to_json
+from loopjax.data import pipeline
+from loopjax.state import answer_loss, build_model, cast, init_state, make_optimizer
+
+
+def make_train_step(graphdef, tx, model_cfg, label_smoothing: float):
+  @partial(jax.jit, donate_argnums=0)
+  def train_step(state, batch):
+    key = jax.random.fold_in(state["rng"], state["step"])
+    B = batch["target"].shape[0]
+
+    def loss_fn(params):
+      model = nnx.merge(graphdef, cast(params, model_cfg.dtype))
+      logits_BV = model(batch["inputs"], batch["answer_pos"], key=key)
+      loss, correct = answer_loss(
+        logits_BV, batch["target"], jnp.ones(B), label_smoothing
+      )
+      return loss / B, correct / B
+
+    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    new_state = {
+      "params": optax.apply_updates(state["params"], updates),
+      "opt_state": opt_state,
+      "step": state["step"] + 1,
+      "rng": state["rng"],
+    }
+    return new_state, {
+      "train/loss": loss,
+      "train/acc": acc,
+      "train/grad_norm": optax.tree.norm(grads),
+    }
+
+  return train_step
+
+
+def check_workdir(config, workdir: Path) -> None:
+  """Raises ConfigError if the workdir holds a run with a conflicting config."""
+  saved = workdir / "config.json"
+  if saved.exists():
+    diff = conflicts(json.loads(saved.read_text()), json.loads(to_json(config)))
+    if diff:
+      raise ConfigError(
+        f"--workdir={workdir} holds a run with another config: "
+        f"{'; '.join(diff)}. Use a new --workdir."
+      )
+  elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
+    raise ConfigError(
+      f"--workdir={workdir} has checkpoints but no config.json; "
+      "refusing to touch it. Use a new --workdir."
+    )
+
+
+def record_config(config, workdir: Path) -> None:
+  """Writes config.json (resumable fields may have changed since the last run)."""
+  if jax.process_index() == 0:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(to_json(config))
+
+
+class _Preemption:
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+  def __init__(self):
+    self.signal = None
+    for s in (signal.SIGTERM, signal.SIGINT):
+      signal.signal(s, self._handle)
+
+  def _handle(self, signum, frame):
+    self.signal = signal.Signals(signum).name
+
+
+def train_and_evaluate(config, workdir) -> dict:
+  """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
+  workdir = Path(workdir)
+  check_workdir(config, workdir)
+  task = data.load(config.data)  # bad data settings fail before the workdir exists
+  record_config(config, workdir)
+  print(
+    f"data: {data.fingerprint(task)[:16]} (fingerprint), "
+    + ", ".join(f"{k}={len(v['target'])}" for k, v in task.splits.items())
+  )
+  pad = task.vocab.pad_id
+  max_len = task.splits["train"]["inputs"].shape[1]
+  model = build_model(config.model, task.vocab.vocab_size, max_len, config.seed)
+  tx = make_optimizer(config.train)
+  graphdef, state = init_state(model, tx, config.seed)
+  train_step = make_train_step(graphdef, tx, config.model, config.train.label_smoothing)
+  evaluator = evaluate.Evaluator(graphdef, config, task)
+  train_iter = pipeline.train_iterator(
+    task.splits["train"], config.train.batch_size, config.seed, pad
+  )
+
+  mngr = checkpoint.manager(workdir, config.checkpoint)
+  restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
+  if restored is not None:
+    state = restored
+    print(f"resumed from {workdir / 'checkpoints'} at step {start}")
+  start = start or 0
+  writer = metrics.Writer(workdir)
+  preempt = _Preemption()
+  num_steps = config.train.num_steps
+  bar = tqdm(
+    total=num_steps,
+    initial=start,
+    desc="train",
+    unit="step",
+    disable=jax.process_index() != 0,
+    dynamic_ncols=True,
+  )
+  last, pending, step = {}, None, start
+  t_log, step_log = time.perf_counter(), start
+  while step < num_steps and preempt.signal is None:
+    state, step_metrics = train_step(state, next(train_iter))
+    step += 1
+    if pending is not None:  # step - 1's numbers: ready by now, no stall
+      last |= _check_finite(*pending)
+    pending = (step, step_metrics)
+    if step % config.log_every == 0 or step == num_steps:
+      last |= _check_finite(*pending)
+      pending = None
+      rate = (step - step_log) / (time.perf_counter() - t_log)
+      t_log, step_log = time.perf_counter(), step
+      writer.write(
+        step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
+      )
+    if step % config.eval_every == 0 or step == num_steps:
+      last |= evaluator.run(state["params"])
+      writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
+    if step % config.checkpoint.every == 0 or step == num_steps:
+      checkpoint.save(mngr, step, state, train_iter)
+    bar.update(1)
+    bar.set_postfix(_postfix(last), refresh=False)
+  if preempt.signal is not None and step % config.checkpoint.every:
+    checkpoint.save(mngr, step, state, train_iter)
+  mngr.wait_until_finished()
+  mngr.close()
+  writer.close()
+  bar.close()
+  if preempt.signal is not None:
+    print(
+      f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
+      "rerun the same command to resume"
+    )
+  return last
+
+
+def _check_finite(step: int, step_metrics) -> dict:
+  out = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
+  if not jnp.isfinite(out["train/loss"]):
+    raise FloatingPointError(f"step {step}: train/loss is {out['train/loss']}")
+  return out
+
+
+def _postfix(last: dict) -> dict:
+  short = {"loss": last.get("train/loss")}
+  for k, v in last.items():
+    if k.startswith("eval/") and k.endswith("/acc"):
+      short[k[5:-4]] = v
+  return {k: f"{v:.3f}" for k, v in short.items() if v is not None}

@@ -1,0 +1,100 @@
+"""Config validation: bad values fail before anything compiles, in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from experiments import sysgen
+from loopjax import config as config_lib
+
+BAD = [
+  ("model.num_loops", 0, "model.num_loops: must be >= 1"),
+  ("data.ood_ratio", 1.5, "data.ood_ratio: must be in [0, 1]"),
+  ("model.num_heads", 3, "model.num_heads: must divide model.d_model (64)"),
+  ("model.injection", "sideways", "model.injection: must be one of none, add, concat"),
+  (
+    "model.norm_type",
+    "batchnorm",
+    "model.norm_type: must be one of layernorm, rmsnorm",
+  ),
+  ("model.remat", "some", "model.remat: must be one of none, full, dots"),
+  ("data.out_degree", 41, "data.out_degree: must be <= data.num_relations (40)"),
+  ("data.source", "csv:/x", "data.source: must be 'generate' or 'grokked_json:DIR'"),
+  ("train.lr", -1.0, "train.lr: must be > 0"),
+  ("train.b2", 1.0, "train.b2: must be in [0, 1)"),
+  ("eval.depths", (2, 0), "eval.depths: every depth must be >= 1"),
+  ("model.init_state", "zeros", "model.init_state: must be 'embedding' when"),
+]
+
+
+@pytest.mark.parametrize("variant", ["tiny", "cpu", "paper"])
+def test_variants_are_valid(variant):
+  config_lib.validate(sysgen.get_config(variant))
+
+
+@pytest.mark.parametrize("field,value,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_value_names_field(field, value, message):
+  c = sysgen.get_config("cpu")
+  section, key = field.split(".")
+  c[section][key] = value
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_conflicts_ignore_resumable_fields():
+  old = sysgen.get_config("cpu").to_dict()
+  new = sysgen.get_config("cpu")
+  new.train.num_steps, new.eval_every, new.checkpoint.keep = 10**6, 7, 9
+  assert config_lib.conflicts(old, new.to_dict()) == []
+  new.model.d_model = 128
+  assert config_lib.conflicts(old, new.to_dict()) == [
+    "model.d_model=64 (workdir) vs 128 (new)"
+  ]
+
+
+@pytest.mark.parametrize(
+  "override,message",
+  [
+    ("--config.model.num_loops=0", "error: model.num_loops: must be >= 1, got 0"),
+    ("--config.model.num_loops=abc", "error: "),
+    ("--config.model.no_such_field=1", "error: "),
+    ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
+  ],
+)
+def test_cli_exits_2_with_one_line(tmp_path, override, message):
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "loopjax.main",
+      "--config=experiments/sysgen.py:tiny",
+      f"--workdir={tmp_path / 'run'}",
+      override,
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 2, r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+  assert not (tmp_path / "run").exists()  # nothing was created
+
+
+def test_cli_unknown_variant(tmp_path):
+  r = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "loopjax.main",
+      "--config=experiments/sysgen.py:huge",
+      f"--workdir={tmp_path}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+  assert "variant" in r.stderr

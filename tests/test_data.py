@@ -1,0 +1,312 @@
+"""Data layer: generator invariants, the papers' JSON format, TFDS storage, CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_collections
+import numpy as np
+import pytest
+
+import loopjax.data
+from loopjax import config as config_lib
+from loopjax.data import grokked_json, kg, tfds_kg
+
+# probe_size exceeds every pool, so the probes hold whole pools.
+SMALL = dict(
+  num_entities=30,
+  num_relations=10,
+  out_degree=5,
+  ood_ratio=0.2,
+  p_test_id=0.2,
+  phi=3.0,
+  probe_size=1000,
+  seed=0,
+)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data():
+  return kg.composition(**SMALL)
+
+
+def _rows(split):
+  return {tuple(row) for row in split["inputs"].tolist()}
+
+
+def _inferred(split):
+  keep = split["bridge"] >= 0
+  return {k: v[keep] for k, v in split.items()}
+
+
+def _assert_same(a: kg.TaskData, b: kg.TaskData):
+  assert a.vocab == b.vocab
+  assert sorted(a.splits) == sorted(b.splits) == sorted(kg.SPLITS)
+  for name in kg.SPLITS:
+    for key in ("inputs", "target", "bridge"):
+      x, y = a.splits[name][key], b.splits[name][key]
+      assert x.dtype == y.dtype == np.int32, (name, key)
+      np.testing.assert_array_equal(x, y, err_msg=f"{name}/{key}")
+  assert kg.fingerprint(a) == kg.fingerprint(b)
+
+
+def test_atomic_facts_are_all_in_train(data):
+  E, D, pad = SMALL["num_entities"], SMALL["out_degree"], data.vocab.pad_id
+  train = data.splits["train"]
+  atomic = train["inputs"][:, 2] == pad
+  heads, rels = train["inputs"][atomic, 0], train["inputs"][atomic, 1]
+  assert atomic.sum() == E * D == len(set(zip(heads, rels, strict=True)))
+  np.testing.assert_array_equal(np.bincount(heads, minlength=E), np.full(E, D))
+  assert np.all((rels >= E) & (rels < pad)) and np.all(train["bridge"][atomic] == -1)
+  probes = _rows(data.splits["id_atomic"]) | _rows(data.splits["ood_atomic"])
+  assert probes == {tuple(r) for r in train["inputs"][atomic].tolist()}
+  assert len(data.splits["ood_atomic"]["target"]) == round(SMALL["ood_ratio"] * E * D)
+
+
+def test_inferred_answers_chain_atomic_facts(data):
+  E, R = SMALL["num_entities"], SMALL["num_relations"]
+  atomic = data.splits["train"]["bridge"] < 0
+  h, r = data.splits["train"]["inputs"][atomic, :2].T
+  tail_ER = np.full((E, R), -1)
+  tail_ER[h, r - E] = data.splits["train"]["target"][atomic]
+  for name in ("train", "train_inferred", "test_inferred_id", "test_inferred_ood"):
+    split = _inferred(data.splits[name])
+    assert len(split["target"]), name
+    h, r1, r2 = split["inputs"].T
+    np.testing.assert_array_equal(split["bridge"], tail_ER[h, r1 - E], err_msg=name)
+    np.testing.assert_array_equal(
+      split["target"], tail_ER[split["bridge"], r2 - E], err_msg=name
+    )
+
+
+def test_hops_are_ood_exactly_where_they_should_be(data):
+  ood = {tuple(r[:2]) for r in data.splits["ood_atomic"]["inputs"].tolist()}
+
+  def hops_ood(name):
+    split = _inferred(data.splits[name])
+    return [
+      ((h, r1) in ood, (b, r2) in ood)
+      for (h, r1, r2), b in zip(
+        split["inputs"].tolist(), split["bridge"].tolist(), strict=True
+      )
+    ]
+
+  assert set(hops_ood("test_inferred_ood")) == {(True, True)}
+  for name in ("train", "train_inferred", "test_inferred_id"):
+    assert set(hops_ood(name)) == {(False, False)}, name
+  # The OOD pool is complete: every chain of two OOD facts is in it.
+  ood_tail = {
+    (h, r): t
+    for (h, r, _), t in zip(
+      data.splits["ood_atomic"]["inputs"].tolist(),
+      data.splits["ood_atomic"]["target"].tolist(),
+      strict=True,
+    )
+  }
+  chains = {
+    (h, r1, r2) for (h, r1), b in ood_tail.items() for (b2, r2) in ood_tail if b2 == b
+  }
+  assert _rows(data.splits["test_inferred_ood"]) == chains
+
+
+def test_held_out_facts_are_not_trained_on(data):
+  train = _rows(data.splits["train"])
+  assert not train & _rows(data.splits["test_inferred_ood"])
+  assert not train & _rows(data.splits["test_inferred_id"])
+  assert _rows(data.splits["train_inferred"]) <= train
+  assert len(train) == len(data.splits["train"]["target"])  # sampled w/o replacement
+
+
+def test_sizes():
+  data = kg.composition(**SMALL | {"probe_size": 7})
+  E, D = SMALL["num_entities"], SMALL["out_degree"]
+  num_id = E * D - round(SMALL["ood_ratio"] * E * D)
+  assert len(data.splits["train"]["target"]) == E * D + round(SMALL["phi"] * num_id)
+  for name in kg.PROBES:
+    assert data.splits[name]["inputs"].shape == (7, 3), name
+  assert (data.vocab.pad_id, data.vocab.vocab_size) == (40, 41)
+
+
+def test_deterministic_by_seed(data):
+  _assert_same(data, kg.composition(**SMALL))
+  assert kg.fingerprint(kg.composition(**SMALL | {"seed": 1})) != kg.fingerprint(data)
+
+
+def test_fingerprint_sees_every_value(data):
+  splits = {name: dict(split) for name, split in data.splits.items()}
+  splits["test_inferred_ood"]["bridge"] = splits["test_inferred_ood"]["bridge"].copy()
+  splits["test_inferred_ood"]["bridge"][-1] += 1
+  assert kg.fingerprint(kg.TaskData(data.vocab, splits)) != kg.fingerprint(data)
+
+
+def test_phi_too_large_raises():
+  with pytest.raises(ValueError, match=r"^data\.phi: .* use at most [\d.]+$"):
+    kg.composition(**SMALL | {"phi": 4.0})
+
+
+# --- the papers' JSON format ---
+
+
+def test_json_round_trip(data, tmp_path):
+  grokked_json.export(data, tmp_path)
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "test.json",
+    "train.json",
+    "valid.json",
+    "vocab.json",
+  ]
+  lines = (tmp_path / "train.json").read_text().splitlines()
+  assert len(lines) == len(data.splits["train"]["target"]) + 2  # one item a line
+  valid = json.loads((tmp_path / "valid.json").read_text())
+  assert len(valid) == len(data.splits["test_inferred_ood"]["target"])
+  types = {x["type"] for x in json.loads((tmp_path / "test.json").read_text())}
+  assert "test_inferred_iid" in types and "test_inferred_id" not in types
+  _assert_same(grokked_json.load(tmp_path), data)
+
+
+def test_json_load_reads_single_line_files(data, tmp_path):
+  """The papers' scripts write each file with one json.dump call."""
+  grokked_json.export(data, tmp_path)
+  for path in tmp_path.iterdir():
+    path.write_text(json.dumps(json.loads(path.read_text())))
+  _assert_same(grokked_json.load(tmp_path), data)
+  cfg = ml_collections.ConfigDict({"source": f"grokked_json:{tmp_path}"})
+  _assert_same(loopjax.data.load(cfg), data)
+
+
+def _corrupt(path: Path, line: int, old: str, new: str):
+  lines = path.read_text().split("\n")
+  assert old in lines[line - 1], lines[line - 1]
+  lines[line - 1] = lines[line - 1].replace(old, new, 1)
+  path.write_text("\n".join(lines))
+
+
+@pytest.mark.parametrize(
+  "file, line, old, new, message",
+  [
+    (
+      "train.json",
+      17,
+      '{"input_text": "<e_',
+      '{"input_text": "<e_99><e_',
+      "unknown token '<e_99>'",
+    ),
+    ("test.json", 3, "</a>", "<e_0></a>", "target_text must be input_text followed"),
+    ("train.json", 4, '"target_text":', '"target_text"', "invalid JSON"),
+    ("test.json", 5, '"id_atomic"', '"atomic"', "unknown type 'atomic'"),
+    ("test.json", 6, "<r_", "<r_1><r_", "does not match a 3-token input"),
+  ],
+)
+def test_json_malformed_names_file_and_line(
+  data, tmp_path, file, line, old, new, message
+):
+  grokked_json.export(data, tmp_path)
+  _corrupt(tmp_path / file, line, old, new)
+  with pytest.raises(ValueError, match=rf"^{file} line {line}: ") as e:
+    grokked_json.load(tmp_path)
+  assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_json_wrong_answer_is_caught(data, tmp_path):
+  grokked_json.export(data, tmp_path)
+  last = len((tmp_path / "test.json").read_text().splitlines()) - 1
+  item = json.loads((tmp_path / "test.json").read_text().splitlines()[last - 1])
+  answer = item["target_text"][len(item["input_text"]) : -len("</a>")]
+  wrong = "<e_1>" if answer != "<e_1>" else "<e_2>"
+  _corrupt(tmp_path / "test.json", last, f"{answer}</a>", f"{wrong}</a>")
+  with pytest.raises(ValueError, match=rf"^test.json line {last}: the answer does not"):
+    grokked_json.load(tmp_path)
+
+
+def test_json_missing_file(data, tmp_path):
+  grokked_json.export(data, tmp_path)
+  (tmp_path / "test.json").unlink()
+  with pytest.raises(ValueError, match=r"test\.json: missing file"):
+    grokked_json.load(tmp_path)
+
+
+# --- TFDS storage ---
+
+
+def _data_cfg(data_dir):
+  c = config_lib.base().data
+  c.update(SMALL, data_dir=str(data_dir))
+  return c
+
+
+def test_tfds_read_matches_generator_and_reuses_prepared_data(
+  data, tmp_path, monkeypatch
+):
+  cfg = _data_cfg(tmp_path)
+  _assert_same(tfds_kg.read(cfg), data)
+  info = tfds_kg.prepare(cfg) / "dataset_info.json"
+  assert info.is_file() and tmp_path in info.parents
+  mtime = info.stat().st_mtime_ns
+
+  def regenerate(**kwargs):
+    raise AssertionError("prepared data was generated again")
+
+  monkeypatch.setattr(kg, "composition", regenerate)
+  _assert_same(loopjax.data.load(cfg), data)
+  assert info.stat().st_mtime_ns == mtime
+
+
+def test_tfds_config_name_changes_with_every_param(tmp_path):
+  names = set()
+  for key in [None, *tfds_kg.PARAMS]:
+    cfg = _data_cfg(tmp_path)
+    if key:
+      cfg[key] += 0.01 if isinstance(cfg[key], float) else 1
+    names.add(tfds_kg.config_name(cfg))
+  assert len(names) == len(tfds_kg.PARAMS) + 1
+  assert tfds_kg.config_name(cfg) == "e30_r10_d5_ood0.2_pt0.2_phi3.0_n1000_s1"
+
+
+def test_tfds_empty_splits_and_corruption(tmp_path):
+  cfg = _data_cfg(tmp_path)
+  cfg.ood_ratio = 0.0  # no OOD facts: ood_atomic and test_inferred_ood are empty
+  data = tfds_kg.read(cfg)
+  assert data.splits["test_inferred_ood"]["inputs"].shape == (0, 3)
+  _assert_same(data, kg.composition(**SMALL | {"ood_ratio": 0.0}))
+  metadata = tfds_kg.prepare(cfg) / "metadata.json"
+  meta = json.loads(metadata.read_text())
+  metadata.write_text(json.dumps(meta | {"fingerprint": "0" * 64}))
+  with pytest.raises(ValueError, match="corrupt"):
+    tfds_kg.read(cfg)
+
+
+# --- CLI ---
+
+
+def test_export_cli(tmp_path):
+  out = tmp_path / "out"
+  env = os.environ | {"PYTHONPATH": str(REPO)}
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "loopjax.data",
+      "export",
+      "--config=experiments/sysgen.py:tiny",
+      f"--config.data.data_dir={tmp_path / 'data'}",
+      f"--out={out}",
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert str(out) in result.stdout
+  assert sorted(p.name for p in out.iterdir()) == [
+    "test.json",
+    "train.json",
+    "valid.json",
+    "vocab.json",
+  ]
+  assert len(grokked_json.load(out).splits["train"]["target"]) > 0

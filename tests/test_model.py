@@ -1,0 +1,145 @@
+"""Model: shapes, causality, scan == Python unroll, remat keeps gradients."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from loopjax import config as config_lib
+from loopjax.state import build_model
+
+V, T, B = 23, 5, 3
+
+
+def model_cfg(**kw):
+  c = config_lib.base().model
+  c.update({"d_model": 16, "num_heads": 2, "num_loops": 3, **kw})
+  return c
+
+
+def inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  tokens_BT = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  return tokens_BT, jnp.array([4, 2, 0], jnp.int32)
+
+
+VARIANTS = [
+  dict(
+    injection=i,
+    norm_position=p,
+    norm_type=n,
+    init_state=s,
+    pos_encoding=e,
+    tie_embeddings=tie,
+    num_prelude=pre,
+    num_coda=coda,
+  )
+  for (i, s), p, n, e, tie, (pre, coda) in itertools.product(
+    [("none", "embedding"), ("add", "zeros"), ("concat", "random")],
+    ["pre", "sandwich", "post"],
+    ["layernorm", "rmsnorm"],
+    ["learned", "sinusoidal", "none"],
+    [True, False],
+    [(0, 0), (1, 1)],
+  )
+][::7]  # a spread over the product, not all 216
+
+
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_shapes_and_per_iteration_readout(kw):
+  model = build_model(model_cfg(**kw), V, T, seed=0)
+  tokens_BT, pos_B = inputs()
+  key = jax.random.key(1)
+  logits_BV, logits_RBV = model(tokens_BT, pos_B, per_iteration=True, key=key)
+  assert logits_BV.shape == (B, V) and logits_RBV.shape == (3, B, V)
+  np.testing.assert_allclose(logits_RBV[-1], logits_BV, atol=1e-5)
+  assert jnp.isfinite(logits_BV).all()
+
+
+def test_causal():
+  """Logits at position t do not change when tokens after t change."""
+  model = build_model(model_cfg(injection="add", num_prelude=1, num_coda=1), V, T, 0)
+  tokens_BT, _ = inputs()
+  pos_B = jnp.full((B,), 2, jnp.int32)
+  changed_BT = tokens_BT.at[:, 3:].set((tokens_BT[:, 3:] + 1) % V)
+  np.testing.assert_allclose(
+    model(tokens_BT, pos_B), model(changed_BT, pos_B), atol=1e-6
+  )
+  changed_BT = tokens_BT.at[:, 2].set((tokens_BT[:, 2] + 1) % V)
+  assert not np.allclose(model(tokens_BT, pos_B), model(changed_BT, pos_B))
+
+
+def test_weights_are_shared_across_iterations():
+  """Parameter count does not grow with R, and R changes the output."""
+  count = lambda m: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param)))
+  m3, m9 = (
+    build_model(model_cfg(), V, T, 0),
+    build_model(model_cfg(num_loops=9), V, T, 0),
+  )
+  assert count(m3) == count(m9)
+  tokens_BT, pos_B = inputs()
+  assert not np.allclose(m3(tokens_BT, pos_B), m9(tokens_BT, pos_B))
+
+
+@pytest.mark.parametrize("injection", ["none", "add", "concat"])
+def test_scan_equals_python_unroll(injection):
+  init_state = "embedding" if injection == "none" else "zeros"
+  model = build_model(
+    model_cfg(
+      injection=injection,
+      init_state=init_state,
+      num_layers=2,
+      num_prelude=1,
+      num_coda=1,
+    ),
+    V,
+    T,
+    0,
+  )
+  tokens_BT, pos_B = inputs()
+  x_BTD = model.prelude[0](model.embed_tokens(tokens_BT))
+  h_BTD = model.initial_state(x_BTD, None)
+  for _ in range(3):
+    h_BTD = model.core_step(h_BTD, x_BTD)
+  np.testing.assert_allclose(
+    model(tokens_BT, pos_B), model.readout(h_BTD, pos_B), rtol=1e-5, atol=1e-5
+  )
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_gives_equal_gradients(policy):
+  tokens_BT, pos_B = inputs()
+
+  def grads(remat):
+    model = build_model(model_cfg(remat=remat, num_loops=4), V, T, 0)
+    graphdef, params = nnx.split(model, nnx.Param)
+    loss = lambda p: jnp.square(nnx.merge(graphdef, p)(tokens_BT, pos_B)).mean()
+    return jax.jit(jax.grad(loss))(params)
+
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+    grads("none"),
+    grads(policy),
+  )
+
+
+def test_every_parameter_has_logical_axes():
+  model = build_model(
+    model_cfg(
+      injection="concat",
+      init_state="random",
+      num_prelude=1,
+      num_coda=1,
+      tie_embeddings=False,
+      norm_position="sandwich",
+    ),
+    V,
+    T,
+    0,
+  )
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    names = var.get_metadata().get("out_sharding")
+    assert names is not None and len(names) == var.value.ndim, path
