@@ -7,6 +7,7 @@ raises `ConfigError` with one line naming the field and what is allowed.
 
 import json
 import math
+import sys
 
 import ml_collections
 
@@ -35,6 +36,12 @@ RESUMABLE = (
 
 class ConfigError(ValueError):
   """Bad input (a config value, a data file); the message is one line for the user."""
+
+
+def exit_with(message: str):
+  """Ends a command-line run on bad input: one line on stderr, exit code 2."""
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 def base() -> ml_collections.ConfigDict:
@@ -77,7 +84,7 @@ def base() -> ml_collections.ConfigDict:
 
   c.train = dict(
     batch_size=256,
-    num_steps=3000,
+    num_steps=4000,
     lr=2e-3,
     warmup_steps=100,
     schedule="constant",

@@ -5,7 +5,6 @@
 """
 
 import json
-import sys
 from pathlib import Path
 
 import ml_collections
@@ -25,17 +24,14 @@ flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do with the workd
 flags.DEFINE_integer("step", None, "--mode=eval: checkpoint step (default: newest).")
 
 
-def _fail(message: str):
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
-
-
 def _parse(argv):
   try:
     return FLAGS(argv)
   except (flags.Error, ValueError, KeyError, AttributeError) as e:
     lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
-    _fail(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")  # skip traceback
+    config_lib.exit_with(
+      lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
+    )  # skip traceback
 
 
 def _load_config(workdir: Path):
@@ -43,14 +39,16 @@ def _load_config(workdir: Path):
     return FLAGS.config
   if FLAGS.mode == "eval" and (workdir / "config.json").exists():
     return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
-  _fail("--config is required (for --mode=eval, a workdir with config.json will do)")
+  config_lib.exit_with(
+    "--config is required (for --mode=eval, a workdir with config.json will do)"
+  )
 
 
 def main(argv):
   if len(argv) > 1:
-    _fail(f"unexpected arguments: {' '.join(argv[1:])}")
+    config_lib.exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
   if not FLAGS.workdir:
-    _fail("--workdir is required")
+    config_lib.exit_with("--workdir is required")
   workdir = Path(FLAGS.workdir).expanduser()
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   config = _load_config(workdir)
@@ -68,7 +66,7 @@ def main(argv):
       train.check_workdir(config, workdir)
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
   except config_lib.ConfigError as e:
-    _fail(str(e))
+    config_lib.exit_with(str(e))
 
 
 if __name__ == "__main__":

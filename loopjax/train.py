@@ -72,20 +72,46 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
-def record_config(config, workdir: Path) -> None:
-  """Writes config.json (resumable fields may have changed since the last run)."""
+def record_run(config, workdir: Path, task) -> None:
+  """Writes config.json and dataset.json; refuses data that changed under a run."""
+  sizes = {k: len(v["target"]) for k, v in task.splits.items()}
+  dataset = {
+    "fingerprint": data.fingerprint(task),
+    "sizes": sizes,
+    "vocab_size": task.vocab.vocab_size,
+  }
+  saved = workdir / "dataset.json"
+  if (
+    saved.exists()
+    and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
+  ):
+    raise ConfigError(
+      f"--workdir={workdir} was trained on other data (fingerprint "
+      f"in {saved} differs); use a new --workdir"
+    )
+  print(
+    f"data: fingerprint {dataset['fingerprint'][:16]}, "
+    + ", ".join(f"{k}={n}" for k, n in sizes.items())
+  )
   if jax.process_index() == 0:
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(to_json(config))
+    saved.write_text(json.dumps(dataset, indent=2))
 
 
 class _Preemption:
-  """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+  """While active, SIGTERM/SIGINT set a flag the loop checks after each step."""
 
-  def __init__(self):
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __enter__(self):
     self.signal = None
-    for s in (signal.SIGTERM, signal.SIGINT):
-      signal.signal(s, self._handle)
+    self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
+    return self
+
+  def __exit__(self, *exc):
+    for s, old in zip(self.SIGNALS, self._old, strict=True):
+      signal.signal(s, old)
 
   def _handle(self, signum, frame):
     self.signal = signal.Signals(signum).name
@@ -96,11 +122,7 @@ def train_and_evaluate(config, workdir) -> dict:
   workdir = Path(workdir)
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
-  record_config(config, workdir)
-  print(
-    f"data: {data.fingerprint(task)[:16]} (fingerprint), "
-    + ", ".join(f"{k}={len(v['target'])}" for k, v in task.splits.items())
-  )
+  record_run(config, workdir, task)
   pad = task.vocab.pad_id
   max_len = task.splits["train"]["inputs"].shape[1]
   model = build_model(config.model, task.vocab.vocab_size, max_len, config.seed)
@@ -119,7 +141,27 @@ def train_and_evaluate(config, workdir) -> dict:
     print(f"resumed from {workdir / 'checkpoints'} at step {start}")
   start = start or 0
   writer = metrics.Writer(workdir)
-  preempt = _Preemption()
+  try:
+    with _Preemption() as preempt:
+      step, last = _loop(
+        config, state, train_step, train_iter, evaluator, mngr, writer, start, preempt
+      )
+  finally:  # an error mid-run still completes pending saves and flushes logs
+    mngr.wait_until_finished()
+    mngr.close()
+    writer.close()
+  if preempt.signal is not None:
+    print(
+      f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
+      "rerun the same command to resume"
+    )
+  return last
+
+
+def _loop(
+  config, state, train_step, train_iter, evaluator, mngr, writer, start, preempt
+):
+  """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
   num_steps = config.train.num_steps
   bar = tqdm(
     total=num_steps,
@@ -129,7 +171,7 @@ def train_and_evaluate(config, workdir) -> dict:
     disable=jax.process_index() != 0,
     dynamic_ncols=True,
   )
-  last, pending, step = {}, None, start
+  last, pending, step, saved = {}, None, start, start
   t_log, step_log = time.perf_counter(), start
   while step < num_steps and preempt.signal is None:
     state, step_metrics = train_step(state, next(train_iter))
@@ -137,7 +179,8 @@ def train_and_evaluate(config, workdir) -> dict:
     if pending is not None:  # step - 1's numbers: ready by now, no stall
       last |= _check_finite(*pending)
     pending = (step, step_metrics)
-    if step % config.log_every == 0 or step == num_steps:
+    done = step == num_steps
+    if step % config.log_every == 0 or done:
       last |= _check_finite(*pending)
       pending = None
       rate = (step - step_log) / (time.perf_counter() - t_log)
@@ -145,25 +188,18 @@ def train_and_evaluate(config, workdir) -> dict:
       writer.write(
         step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
       )
-    if step % config.eval_every == 0 or step == num_steps:
+    if step % config.eval_every == 0 or done:
       last |= evaluator.run(state["params"])
       writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
-    if step % config.checkpoint.every == 0 or step == num_steps:
+    if step % config.checkpoint.every == 0 or done:
       checkpoint.save(mngr, step, state, train_iter)
+      saved = step
     bar.update(1)
     bar.set_postfix(_postfix(last), refresh=False)
-  if preempt.signal is not None and step % config.checkpoint.every:
+  if preempt.signal is not None and saved != step:
     checkpoint.save(mngr, step, state, train_iter)
-  mngr.wait_until_finished()
-  mngr.close()
-  writer.close()
   bar.close()
-  if preempt.signal is not None:
-    print(
-      f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
-      "rerun the same command to resume"
-    )
-  return last
+  return step, last
 
 
 def _check_finite(step: int, step_metrics) -> dict:

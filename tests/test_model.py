@@ -142,4 +142,4 @@ def test_every_parameter_has_logical_axes():
   )
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     names = var.get_metadata().get("out_sharding")
-    assert names is not None and len(names) == var.value.ndim, path
+    assert names is not None and len(names) == var.get_value().ndim, path

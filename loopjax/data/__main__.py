@@ -19,8 +19,11 @@ _OUT = flags.DEFINE_string(
 def main(argv):
   if argv[1:] != ["export"]:
     raise app.UsageError(f"expected the command 'export'; got {argv[1:]}")
-  config_lib.validate(_CONFIG.value)
-  grokked_json.export(data.load(_CONFIG.value.data), _OUT.value)
+  try:
+    config_lib.validate(_CONFIG.value)
+    grokked_json.export(data.load(_CONFIG.value.data), _OUT.value)
+  except config_lib.ConfigError as e:
+    config_lib.exit_with(str(e))
   print(f"wrote train.json, valid.json, test.json, vocab.json to {_OUT.value}")
 
 

@@ -93,7 +93,7 @@ def _items(path: Path, kind=dict):
 
   def fail(pos, message):
     line = text.count("\n", 0, pos) + 1
-    return ValueError(f"{path.name} line {line}: {message}")
+    return ConfigError(f"{path.name} line {line}: {message}")
 
   decoder = json.JSONDecoder()
   if not (opening := _OPENING.match(text)):
