@@ -25,7 +25,7 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   lr = optax.join_schedules(
     [optax.linear_schedule(0.0, tc.lr, tc.warmup_steps), after], [tc.warmup_steps]
   )
-  # Decay matrices only, not biases, norm scales or positions' offsets.
+  # Decay matrices (embeddings too, as the papers' HF AdamW did), not biases or norms.
   decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
   adamw = optax.adamw(
     lr, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask

@@ -140,6 +140,10 @@ def train_and_evaluate(config, workdir) -> dict:
     state = restored
     print(f"resumed from {workdir / 'checkpoints'} at step {start}")
   start = start or 0
+  if start >= config.train.num_steps:
+    print(f"already trained to step {start}; nothing to do")
+    mngr.close()
+    return {}
   writer = metrics.Writer(workdir)
   try:
     with _Preemption() as preempt:
