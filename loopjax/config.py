@@ -79,6 +79,7 @@ def base() -> ml_collections.ConfigDict:
     init_std=0.02,
     tie_embeddings=True,
     remat="none",
+    scan_unroll=8,  # loop iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
   )
 
@@ -135,6 +136,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "model.d_model",
     "model.num_heads",
     "model.mlp_ratio",
+    "model.scan_unroll",
     "model.num_layers",
     "model.num_loops",
     "train.batch_size",

@@ -23,6 +23,7 @@ def unroll(
   num_loops: int,
   *,
   remat: str = "none",
+  scan_unroll: int = 1,
   readout: Callable | None = None,
 ):
   """Applies `step` `num_loops` times.
@@ -30,6 +31,10 @@ def unroll(
   Returns the final state and, if `readout` is given, `readout(h_r)` after
   every iteration stacked on a leading axis of size `num_loops` (else None).
   `remat` names a policy in REMAT_POLICIES ("none" stores every residual).
+  `scan_unroll` iterations are unrolled into each loop step (capped at
+  `num_loops`): on CPU a short fully unrolled loop trains ~25% faster than a
+  rolled one, whose saved residuals are stacked into buffers allocated and
+  zeroed every step; compile time grows with the unroll, not with R.
   """
 
   def body(h, _):
@@ -38,4 +43,6 @@ def unroll(
 
   if remat != "none":
     body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-  return jax.lax.scan(body, h, None, length=num_loops)
+  return jax.lax.scan(
+    body, h, None, length=num_loops, unroll=min(scan_unroll, num_loops)
+  )

@@ -143,3 +143,15 @@ def test_every_parameter_has_logical_axes():
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     names = var.get_metadata().get("out_sharding")
     assert names is not None and len(names) == var.get_value().ndim, path
+
+
+def test_elementwise_attention_equals_einsum_attention():
+  from loopjax.model.layers import attend
+
+  q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 6, 4, 8))
+  np.testing.assert_allclose(
+    attend(q, k, v, elementwise=True),
+    attend(q, k, v, elementwise=False),
+    rtol=1e-5,
+    atol=1e-6,
+  )

@@ -103,6 +103,7 @@ class LoopedTransformer(nnx.Module):
       h_BTD,
       num_loops or self.cfg.num_loops,
       remat=self.cfg.remat,
+      scan_unroll=self.cfg.scan_unroll,
       readout=(lambda h: self.readout(h, answer_pos_B)) if per_iteration else None,
     )
     logits_BV = self.readout(h_BTD, answer_pos_B)

@@ -1,0 +1,117 @@
+"""Benchmarks (not timed tests). Results print as a table and go to --out as JSON.
+
+  python -m loopjax.bench step --config=experiments/bench.py[:size] --torch
+  python -m loopjax.bench scaling --config=experiments/bench.py --depths=4,16,64
+  taskset -c 0 python -m loopjax.bench data --config=experiments/sysgen.py:paper
+
+`step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
+measured matmul peak, compile time, XLA's memory estimate), and with --torch the
+same model and optimizer in PyTorch eager, with the speed ratio. `scaling`:
+compile and step time, and memory with and without remat, across depths R.
+`data`: generation time of a config's dataset (in memory).
+"""
+
+import copy
+import json
+import time
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from loopjax.bench import measure, steps
+from loopjax.data import kg, tfds_kg
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
+_TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference.")
+_DEPTHS = flags.DEFINE_list("depths", ["4", "16", "64"], "`scaling`: depths R.")
+_OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+
+
+def bench_step(config) -> dict:
+  peak = measure.matmul_peak()
+  out = {
+    "size": config.get("size"),
+    "matmul_peak_flops": peak,
+    "jax": steps.jax_step(config),
+  }
+  if _TORCH.value:
+    out["torch"] = steps.torch_step(config)
+  B, T = config.train.batch_size, steps.SEQ_LEN
+  print(
+    f"{'':8}{'step ms':>9}{'ex/s':>9}{'tok/s':>9}{'GFLOP/s':>9}{'MFU':>7}"
+    f"{'compile s':>11}{'peak MB':>9}"
+  )
+  for impl in ("jax", "torch"):
+    if impl not in out:
+      continue
+    r = out[impl]
+    r |= {
+      "examples_per_s": B / r["step_s"],
+      "tokens_per_s": B * T / r["step_s"],
+      "flops_per_s": out["jax"]["flops"] / r["step_s"],
+    }
+    r["mfu"] = r["flops_per_s"] / peak["jax"]
+    mem = f"{r['peak_bytes'] / 2**20:9.1f}" if "peak_bytes" in r else f"{'-':>9}"
+    comp = f"{r['compile_s']:11.2f}" if "compile_s" in r else f"{'-':>11}"
+    print(
+      f"{impl:8}{r['step_s'] * 1e3:9.2f}{r['examples_per_s']:9.0f}"
+      f"{r['tokens_per_s']:9.0f}{r['flops_per_s'] / 1e9:9.1f}{r['mfu']:7.1%}"
+      f"{comp}{mem}"
+    )
+  if "torch" in out:
+    out["speedup_vs_torch"] = out["torch"]["step_s"] / out["jax"]["step_s"]
+    print(f"loopjax is {out['speedup_vs_torch']:.2f}x PyTorch eager's speed")
+  print(
+    f"matmul peak ({peak['n']}^3 float32): jax {peak['jax'] / 1e9:.0f} GFLOP/s"
+    + (f", torch {peak['torch'] / 1e9:.0f} GFLOP/s" if "torch" in peak else "")
+  )
+  return out
+
+
+def bench_scaling(config) -> dict:
+  rows = []
+  print(f"{'R':>4}{'remat':>7}{'compile s':>11}{'step ms':>9}{'peak MB':>9}")
+  for R in map(int, _DEPTHS.value):
+    for remat in ("none", "full"):
+      c = copy.deepcopy(config)
+      c.model.update(num_loops=R, remat=remat)
+      c.bench.update(warmup=2, steps=max(2, 4 * c.bench.steps // R))
+      r = steps.jax_step(c) | {"num_loops": R, "remat": remat}
+      rows.append(r)
+      print(
+        f"{R:4}{remat:>7}{r['compile_s']:11.2f}{r['step_s'] * 1e3:9.2f}"
+        f"{r['peak_bytes'] / 2**20:9.1f}"
+      )
+  return {"size": config.get("size"), "rows": rows}
+
+
+def bench_data(config) -> dict:
+  params = {k: config.data[k] for k in tfds_kg.PARAMS}
+  t = time.perf_counter()
+  task = kg.composition(**params)
+  kg.fingerprint(task)
+  seconds = time.perf_counter() - t
+  n = sum(len(v["target"]) for v in task.splits.values())
+  print(f"generated {n:,} examples in {seconds:.3f} s")
+  return {"params": params, "examples": n, "seconds": seconds}
+
+
+BENCHMARKS = {"step": bench_step, "scaling": bench_scaling, "data": bench_data}
+
+
+def main(argv):
+  if len(argv) != 2 or argv[1] not in BENCHMARKS:
+    raise app.UsageError(f"expected one of {', '.join(BENCHMARKS)}; got {argv[1:]}")
+  result = {
+    "benchmark": argv[1],
+    "machine": measure.machine(),
+    **BENCHMARKS[argv[1]](_CONFIG.value),
+  }
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

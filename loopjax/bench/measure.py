@@ -1,0 +1,85 @@
+"""Timing, FLOP and memory measurements shared by the benchmarks."""
+
+import os
+import platform
+import time
+
+import jax
+import numpy as np
+
+
+def timed(fn, *, warmup: int, steps: int, repeats: int) -> float:
+  """Median over `repeats` of the mean seconds per call over `steps` calls.
+
+  `fn()` must block until its work is done (e.g. `block_until_ready`) at least on
+  its last call of a window, so that every window measures finished work.
+  """
+  for _ in range(warmup):
+    fn()
+  windows = []
+  for _ in range(repeats):
+    t = time.perf_counter()
+    for _ in range(steps):
+      fn()
+    windows.append((time.perf_counter() - t) / steps)
+  return float(np.median(windows))
+
+
+def random_batch(config, vocab_size: int, seq_len: int) -> dict:
+  """A training batch of the task's shapes (tokens are random: speed only)."""
+  rng = np.random.default_rng(config.seed)
+  B = config.train.batch_size
+  return {
+    "inputs": rng.integers(0, vocab_size - 1, (B, seq_len)).astype(np.int32),
+    "target": rng.integers(0, config.data.num_entities, B).astype(np.int32),
+    "answer_pos": np.full(B, seq_len - 1, np.int32),
+  }
+
+
+def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
+  """Measured float32 matmul FLOP/s of this machine, JAX (and PyTorch if present)."""
+  a = jax.numpy.ones((n, n), jax.numpy.float32)
+  f = jax.jit(lambda a: a @ a)
+  flops = 2 * n**3
+  out = {
+    "n": n,
+    "jax": flops
+    / timed(lambda: f(a).block_until_ready(), warmup=2, steps=5, repeats=repeats),
+  }
+  try:
+    import torch
+  except ImportError:
+    return out
+  t = torch.ones(n, n)
+  out["torch"] = flops / timed(lambda: t @ t, warmup=2, steps=5, repeats=repeats)
+  return out
+
+
+def machine() -> dict:
+  info = {
+    "cpu": _cpu_name(),
+    "cores": len(os.sched_getaffinity(0)),
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "devices": [d.device_kind for d in jax.devices()],
+    "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    "python": platform.python_version(),
+  }
+  try:
+    import torch
+
+    info |= {"torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+  except ImportError:
+    pass
+  return info
+
+
+def _cpu_name() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
