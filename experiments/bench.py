@@ -21,6 +21,7 @@ def get_config(size: str = "default"):
   elif size == "d256":
     c.model.update(d_model=256, num_heads=8, num_layers=4)
     c.train.batch_size = 512
+    c.bench = dict(warmup=5, steps=10, repeats=3)
   elif size == "paper":
     c = sysgen.get_config("paper")
     c.size = size

@@ -79,7 +79,7 @@ def base() -> ml_collections.ConfigDict:
     init_std=0.02,
     tie_embeddings=True,
     remat="none",
-    scan_unroll=8,  # loop iterations unrolled per scan step (see recurrence.py)
+    scan_unroll=4,  # iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
   )
 

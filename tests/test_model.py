@@ -84,8 +84,11 @@ def test_weights_are_shared_across_iterations():
   assert not np.allclose(m3(tokens_BT, pos_B), m9(tokens_BT, pos_B))
 
 
-@pytest.mark.parametrize("injection", ["none", "add", "concat"])
-def test_scan_equals_python_unroll(injection):
+@pytest.mark.parametrize(
+  "injection,scan_unroll", [("none", 1), ("add", 2), ("concat", 8)]
+)
+def test_scan_equals_python_unroll(injection, scan_unroll):
+  """A rolled, partly or fully unrolled scan all equal a Python loop (R = 3)."""
   init_state = "embedding" if injection == "none" else "zeros"
   model = build_model(
     model_cfg(
@@ -94,6 +97,7 @@ def test_scan_equals_python_unroll(injection):
       num_layers=2,
       num_prelude=1,
       num_coda=1,
+      scan_unroll=scan_unroll,
     ),
     V,
     T,
@@ -109,12 +113,14 @@ def test_scan_equals_python_unroll(injection):
   )
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
-def test_remat_gives_equal_gradients(policy):
+@pytest.mark.parametrize("policy,scan_unroll", [("full", 1), ("dots", 2), ("full", 4)])
+def test_remat_gives_equal_gradients(policy, scan_unroll):
+  """Rematerializing groups of 1, 2 or 4 iterations keeps the gradients."""
   tokens_BT, pos_B = inputs()
 
-  def grads(remat):
-    model = build_model(model_cfg(remat=remat, num_loops=4), V, T, 0)
+  def grads(remat, scan_unroll=1):
+    cfg = model_cfg(remat=remat, num_loops=4, scan_unroll=scan_unroll)
+    model = build_model(cfg, V, T, 0)
     graphdef, params = nnx.split(model, nnx.Param)
     loss = lambda p: jnp.square(nnx.merge(graphdef, p)(tokens_BT, pos_B)).mean()
     return jax.jit(jax.grad(loss))(params)
@@ -122,7 +128,7 @@ def test_remat_gives_equal_gradients(policy):
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
     grads("none"),
-    grads(policy),
+    grads(policy, scan_unroll),
   )
 
 
@@ -155,3 +161,13 @@ def test_elementwise_attention_equals_einsum_attention():
     rtol=1e-5,
     atol=1e-6,
   )
+
+
+@pytest.mark.parametrize(
+  "num_loops,scan_unroll,k",
+  [(4, 4, 4), (64, 4, 4), (6, 4, 3), (7, 4, 1), (2, 8, 2), (5, 1, 1)],
+)
+def test_group_size_divides_num_loops(num_loops, scan_unroll, k):
+  from loopjax.recurrence import group_size
+
+  assert group_size(num_loops, scan_unroll) == k

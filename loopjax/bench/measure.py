@@ -36,6 +36,20 @@ def random_batch(config, vocab_size: int, seq_len: int) -> dict:
   }
 
 
+def model_flops(config, seq_len: int, vocab_size: int) -> float:
+  """Training FLOPs per step, counted the usual way: 3x the forward's matmuls.
+
+  XLA's cost analysis counts a rolled loop's body once, so it undercounts
+  looped models; this count does not depend on how the loop is compiled.
+  """
+  m, B, T = config.model, config.train.batch_size, seq_len
+  d = m.d_model
+  layers = m.num_layers * m.num_loops + m.num_prelude + m.num_coda
+  per_layer = 2 * (4 + 2 * m.mlp_ratio) * d * d + 2 * 2 * T * d  # weights; QK, AV
+  adapter = 2 * 2 * d * d * m.num_loops if m.injection == "concat" else 0
+  return 3.0 * (B * T * (layers * per_layer + adapter) + B * 2 * d * vocab_size)
+
+
 def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
   """Measured float32 matmul FLOP/s of this machine, JAX (and PyTorch if present)."""
   a = jax.numpy.ones((n, n), jax.numpy.float32)

@@ -1,5 +1,9 @@
 """Transformer layers with logical axis names on every parameter.
 
+Projections are 2-D matmuls over R = B*T rows: for these, XLA:CPU computes the
+weight gradients without transposed copies of the activations, which made the
+backward pass of 3-D einsums ~35% copies (docs/performance.md).
+
 Axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`) are mapped to mesh axes by
 `sharding.py`; here they are only metadata (no eager sharding).
 """
@@ -55,11 +59,14 @@ class Attention(nnx.Module):
     self.bo = zeros(rngs, (d,), ("embed",))
 
   def __call__(self, x_BTD):
-    qkv_BT3NH = jnp.einsum("btd,dsnh->btsnh", x_BTD, self.wqkv) + self.bqkv[None, None]
+    B, T, D = x_BTD.shape
+    _, _, N, H = self.wqkv.shape
+    qkv_RK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
+    qkv_BT3NH = qkv_RK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
     q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
-    T = x_BTD.shape[1]
     out_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, elementwise=T <= ELEMENTWISE_MAX_LEN)
-    return jnp.einsum("btnh,nhd->btd", out_BTNH, self.wo) + self.bo[None, None]
+    out_RD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
+    return (out_RD + self.bo[None]).reshape(B, T, D)
 
 
 # Up to this length, attention's two products run as broadcast-multiply-sums:
@@ -92,8 +99,9 @@ class Mlp(nnx.Module):
     self.b2 = zeros(rngs, (d,), ("embed",))
 
   def __call__(self, x_BTD):
-    h_BTF = jax.nn.gelu(x_BTD @ self.w1 + self.b1[None, None])
-    return h_BTF @ self.w2 + self.b2[None, None]
+    B, T, D = x_BTD.shape
+    h_RF = jax.nn.gelu(x_BTD.reshape(B * T, D) @ self.w1 + self.b1[None])
+    return (h_RF @ self.w2 + self.b2[None]).reshape(B, T, D)
 
 
 class Block(nnx.Module):

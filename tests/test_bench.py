@@ -1,0 +1,81 @@
+"""Benchmarks run and measure what they claim (speed itself is not tested here)."""
+
+import importlib.util
+
+import pytest
+
+from experiments import bench
+from loopjax.bench import steps
+
+
+def small(num_loops: int, d_model: int = 16):
+  c = bench.get_config("default")
+  c.model.update(d_model=d_model, num_heads=2, num_loops=num_loops)
+  c.train.batch_size = 8
+  c.bench.update(warmup=1, steps=2, repeats=1)
+  return c
+
+
+def test_jax_step_measures_compile_time_flops_and_memory():
+  r2, r4 = steps.jax_step(small(2, 64)), steps.jax_step(small(4, 64))
+  for r in (r2, r4):
+    assert r["compile_s"] > 0 and r["step_s"] > 0 and r["peak_bytes"] > 0
+  # The core dominates the FLOPs, so twice the iterations is close to twice the work.
+  assert 1.6 < r4["xla_flops"] / r2["xla_flops"] < 2.05
+  # Our count agrees with XLA's where XLA sees every iteration (fully unrolled).
+  for r in (r2, r4):
+    assert 0.8 < r["flops"] / r["xla_flops"] < 1.25
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("torch") is None,
+  reason="the PyTorch reference needs the `bench` extra",
+)
+def test_torch_reference_runs_the_same_shapes():
+  assert steps.torch_step(small(2))["step_s"] > 0
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("torch") is None,
+  reason="the PyTorch reference needs the `bench` extra",
+)
+def test_torch_reference_computes_the_same_function():
+  """With loopjax's weights copied in, the PyTorch model gives the same logits."""
+  import numpy as np
+  import torch
+  from flax import nnx
+
+  from loopjax.bench import torch_ref
+  from loopjax.bench.measure import random_batch
+  from loopjax.state import build_model
+
+  c = small(3)
+  c.model.injection = "add"
+  V = steps.vocab_size(c)
+  jax_model = build_model(c.model, V, steps.SEQ_LEN, 0)
+  p = nnx.to_pure_dict(nnx.state(jax_model, nnx.Param))
+  t = lambda a: torch.as_tensor(np.asarray(a))  # noqa: E731
+  ref = torch_ref.LoopedTransformer(c.model, V, steps.SEQ_LEN)
+  with torch.no_grad():
+    ref.embed.copy_(t(p["embed"]))
+    ref.pos.copy_(t(p["pos"]))
+    ref.norm.weight.copy_(t(p["norm"]["scale"]))
+    ref.norm.bias.copy_(t(p["norm"]["bias"]))
+    for block, w in zip(ref.core, p["core"].values(), strict=True):
+      D = c.model.d_model
+      block.qkv.weight.copy_(t(w["attn"]["wqkv"]).reshape(D, 3 * D).T)
+      block.qkv.bias.copy_(t(w["attn"]["bqkv"]).reshape(3 * D))
+      block.out.weight.copy_(t(w["attn"]["wo"]).reshape(D, D).T)
+      block.out.bias.copy_(t(w["attn"]["bo"]))
+      block.fc1.weight.copy_(t(w["mlp"]["w1"]).T)
+      block.fc1.bias.copy_(t(w["mlp"]["b1"]))
+      block.fc2.weight.copy_(t(w["mlp"]["w2"]).T)
+      block.fc2.bias.copy_(t(w["mlp"]["b2"]))
+      for name in ("norm1", "norm2"):
+        getattr(block, name).weight.copy_(t(w[name]["scale"]))
+        getattr(block, name).bias.copy_(t(w[name]["bias"]))
+  batch = random_batch(c, V, steps.SEQ_LEN)
+  expected = jax_model(batch["inputs"], batch["answer_pos"])
+  tb = torch_ref.to_torch(batch)
+  got = ref(tb["inputs"], tb["answer_pos"]).detach().numpy()
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
