@@ -54,7 +54,7 @@ def test_torch_reference_computes_the_same_function():
   V = steps.vocab_size(c)
   jax_model = build_model(c.model, V, steps.SEQ_LEN, 0)
   p = nnx.to_pure_dict(nnx.state(jax_model, nnx.Param))
-  t = lambda a: torch.as_tensor(np.asarray(a))  # noqa: E731
+  t = lambda a: torch.as_tensor(np.array(a))  # noqa: E731
   ref = torch_ref.LoopedTransformer(c.model, V, steps.SEQ_LEN)
   with torch.no_grad():
     ref.embed.copy_(t(p["embed"]))
