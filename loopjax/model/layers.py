@@ -1,6 +1,6 @@
 """Transformer layers with logical axis names on every parameter.
 
-Projections are 2-D matmuls over R = B*T rows: for these, XLA:CPU computes the
+Projections are 2-D matmuls over M = B*T rows: for these, XLA:CPU computes the
 weight gradients without transposed copies of the activations, which made the
 backward pass of 3-D einsums ~35% copies (docs/performance.md).
 
@@ -61,12 +61,12 @@ class Attention(nnx.Module):
   def __call__(self, x_BTD):
     B, T, D = x_BTD.shape
     _, _, N, H = self.wqkv.shape
-    qkv_RK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
-    qkv_BT3NH = qkv_RK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
+    qkv_MK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
+    qkv_BT3NH = qkv_MK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
     q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
     out_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, elementwise=T <= ELEMENTWISE_MAX_LEN)
-    out_RD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
-    return (out_RD + self.bo[None]).reshape(B, T, D)
+    out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
+    return (out_MD + self.bo[None]).reshape(B, T, D)
 
 
 # Up to this length, attention's two products run as broadcast-multiply-sums:
@@ -100,8 +100,8 @@ class Mlp(nnx.Module):
 
   def __call__(self, x_BTD):
     B, T, D = x_BTD.shape
-    h_RF = jax.nn.gelu(x_BTD.reshape(B * T, D) @ self.w1 + self.b1[None])
-    return (h_RF @ self.w2 + self.b2[None]).reshape(B, T, D)
+    h_MF = jax.nn.gelu(x_BTD.reshape(B * T, D) @ self.w1 + self.b1[None])
+    return (h_MF @ self.w2 + self.b2[None]).reshape(B, T, D)
 
 
 class Block(nnx.Module):
