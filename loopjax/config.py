@@ -60,6 +60,7 @@ def base() -> ml_collections.ConfigDict:
     p_test_id=0.1,  # ID-ID inferred facts held out for test_inferred_id
     phi=12.0,  # inferred facts per ID atomic fact in the training set
     probe_size=300,  # examples per probe split (at most)
+    atomic_repeat=1,  # copies of each atomic fact per epoch (1 = the paper)
     seed=0,
   )
 
@@ -133,6 +134,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "data.num_relations",
     "data.out_degree",
     "data.probe_size",
+    "data.atomic_repeat",
     "model.d_model",
     "model.num_heads",
     "model.mlp_ratio",

@@ -131,7 +131,11 @@ def train_and_evaluate(config, workdir) -> dict:
   train_step = make_train_step(graphdef, tx, config.model, config.train.label_smoothing)
   evaluator = evaluate.Evaluator(graphdef, config, task)
   train_iter = pipeline.train_iterator(
-    task.splits["train"], config.train.batch_size, config.seed, pad
+    task.splits["train"],
+    config.train.batch_size,
+    config.seed,
+    pad,
+    config.data.atomic_repeat,
   )
 
   mngr = checkpoint.manager(workdir, config.checkpoint)

@@ -10,6 +10,8 @@ import grain
 import jax
 import numpy as np
 
+from loopjax.config import ConfigError
+
 
 def answer_pos(inputs_BT: np.ndarray, pad_id: int) -> np.ndarray:
   """Position of the last real token, where the answer is predicted."""
@@ -25,16 +27,26 @@ def _gather(split, idx_B, pad_id):
   }
 
 
-def train_iterator(split, batch_size: int, seed: int, pad_id: int):
-  """Endless shuffled batches of this process's shard (a new order each epoch)."""
+def train_iterator(
+  split, batch_size: int, seed: int, pad_id: int, atomic_repeat: int = 1
+):
+  """Endless shuffled batches of this process's shard (a new order each epoch).
+
+  `atomic_repeat` > 1 puts every atomic fact (bridge -1) that many times in each
+  epoch: OOD atomic facts are otherwise ~1% of the stream and stay unmemorized.
+  """
   n_proc, i_proc = jax.process_count(), jax.process_index()
   if batch_size % n_proc:
-    raise ValueError(
+    raise ConfigError(
       f"train.batch_size: must be divisible by the number of "
       f"processes ({n_proc}); got {batch_size}"
     )
+  atomic = np.flatnonzero(split["bridge"] < 0)
+  epoch = np.concatenate(
+    [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
+  )
   ds = (
-    grain.MapDataset.range(len(split["target"]))[i_proc::n_proc]
+    grain.MapDataset.source(epoch)[i_proc::n_proc]
     .shuffle(seed=seed)
     .repeat()
     .batch(batch_size // n_proc)
