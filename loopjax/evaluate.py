@@ -8,14 +8,14 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from loopjax import checkpoint, data
 from loopjax.config import ConfigError
-from loopjax.data import pipeline
-from loopjax.state import answer_loss, build_model, cast, init_state, make_optimizer
+from loopjax.data import kg, pipeline
+from loopjax.state import build_model, cast, init_state, make_optimizer
 
 
 class Evaluator:
@@ -37,6 +37,7 @@ class Evaluator:
 
     @jax.jit
     def eval_step(params, batch):
+      """Per example and depth: cross-entropy and whether the argmax is right."""
       model = nnx.merge(graphdef, cast(params, dtype))
       _, logits_RBV = model(
         batch["inputs"],
@@ -45,31 +46,59 @@ class Evaluator:
         per_iteration=True,
         key=key,
       )
-      return jax.vmap(lambda l: answer_loss(l, batch["target"], batch["weight"], 0.0))(
-        logits_RBV
+      target_B = batch["target"]
+      loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
+        logits_RBV, target_B
       )
+      return loss_RB, logits_RBV.argmax(-1) == target_B[None]
 
     self._eval_step = eval_step
+
+  def per_example(self, params, split):
+    """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""
+    n = len(split["target"])
+    outs = [
+      self._eval_step(params, b)
+      for b in pipeline.eval_batches(split, self.batch_size, self.pad)
+    ]
+    return tuple(
+      np.concatenate([np.asarray(o[i]) for o in outs], 1)[:, :n] for i in range(2)
+    )
 
   def per_depth(self, params) -> dict:
     """{split: {"acc": {depth: .}, "loss": {depth: .}}}."""
     out = {}
     for name, split in self.probes.items():
-      sums = [
-        self._eval_step(params, b)
-        for b in pipeline.eval_batches(split, self.batch_size, self.pad)
-      ]
-      loss_R, correct_R = np.asarray(jax.device_get(jnp.sum(jnp.array(sums), 0)))
-      n = len(split["target"])
+      loss_RN, correct_RN = self.per_example(params, split)
       out[name] = {
-        "acc": {d: float(correct_R[d - 1] / n) for d in self.depths},
-        "loss": {d: float(loss_R[d - 1] / n) for d in self.depths},
+        "acc": {d: float(correct_RN[d - 1].mean()) for d in self.depths},
+        "loss": {d: float(loss_RN[d - 1].mean()) for d in self.depths},
       }
+    return out
+
+  def conditional_ood(self, params) -> dict:
+    """OOD accuracy on the queries whose two atomic facts the model answers.
+
+    Tells composition failure apart from memorization failure: a model that
+    knows both hops but misses the query has not learned to compose them.
+    """
+    split = self.probes.get("test_inferred_ood")
+    if split is None or not len(split["target"]):
+      return {}
+    correct_N = self.per_example(params, split)[1][self.R - 1]
+    hop1, hop2 = kg.hops(split, self.pad)
+    known_N = (
+      self.per_example(params, hop1)[1][self.R - 1]
+      & self.per_example(params, hop2)[1][self.R - 1]
+    )
+    out = {"eval/test_inferred_ood/atomic_known": float(known_N.mean())}
+    if known_N.any():
+      out["eval/test_inferred_ood/acc_given_atomic"] = float(correct_N[known_N].mean())
     return out
 
   def run(self, params) -> dict:
     """Flat metrics: `eval/<split>/{acc,loss}` at the train depth, `acc@<d>` else."""
-    out = {}
+    out = self.conditional_ood(params)
     for name, res in self.per_depth(params).items():
       out[f"eval/{name}/acc"] = res["acc"][self.R]
       out[f"eval/{name}/loss"] = res["loss"][self.R]

@@ -310,3 +310,17 @@ def test_export_cli(tmp_path):
     "vocab.json",
   ]
   assert len(grokked_json.load(out).splits["train"]["target"]) > 0
+
+
+def test_hops_are_the_atomic_facts_of_each_inferred_fact(data):
+  train = data.splits["train"]
+  atomic = train["bridge"] < 0
+  facts = {
+    tuple(r): t
+    for r, t in zip(
+      train["inputs"][atomic].tolist(), train["target"][atomic].tolist(), strict=True
+    )
+  }
+  split = data.splits["test_inferred_ood"]
+  for hop in kg.hops(split, data.vocab.pad_id):
+    assert [facts[tuple(r)] for r in hop["inputs"].tolist()] == hop["target"].tolist()

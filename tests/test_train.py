@@ -35,6 +35,7 @@ def test_tiny_run_learns_and_writes_outputs(tiny_config, tmp_path):
   loss = losses(tmp_path / "run")
   assert loss[120] < 0.8 * loss[10], loss
   assert {f"eval/{s}/acc" for s in SPLITS} <= set(last)
+  assert 0 <= last["eval/test_inferred_ood/atomic_known"] <= 1
   assert last["eval/id_atomic/acc"] > 0.2  # chance: 1/24 entities
   assert sorted(
     int(p.name) for p in (tmp_path / "run/checkpoints").iterdir() if p.name.isdigit()
@@ -134,3 +135,24 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   train.train_and_evaluate(tiny_config, tmp_path / "straight")
   resumed, straight = losses(workdir), losses(tmp_path / "straight")
   assert straight == resumed  # SIGKILL: steps after the last save are logged twice
+
+
+def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_config):
+  import numpy as np
+
+  from loopjax import data
+
+  task = data.load(tiny_config.data)
+  ev = evaluate.Evaluator.__new__(evaluate.Evaluator)
+  ev.R, ev.pad = 1, task.vocab.pad_id
+  ev.probes = {
+    "test_inferred_ood": {k: v[:4] for k, v in task.splits["test_inferred_ood"].items()}
+  }
+  # query correct: T F T T; hop 1 known: T T F T; hop 2 known: T T T F
+  answers = iter([[1, 0, 1, 1], [1, 1, 0, 1], [1, 1, 1, 0]])
+  ev.per_example = lambda params, split: (None, np.array([next(answers)], bool))
+  out = ev.conditional_ood(params=None)
+  assert out == {
+    "eval/test_inferred_ood/atomic_known": 0.5,
+    "eval/test_inferred_ood/acc_given_atomic": 0.5,
+  }

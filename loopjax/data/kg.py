@@ -143,6 +143,20 @@ def _examples(hop1_N, hop2_N, rel_A, tail_A, D, vocab) -> Split:
   }
 
 
+def hops(split: Split, pad_id: int) -> tuple[Split, Split]:
+  """The two atomic facts behind each inferred fact: (h, r1) -> b, (b, r2) -> t."""
+  h_N, r1_N, r2_N = split["inputs"].T
+  b_N, pad_N, none_N = split["bridge"], np.full_like(h_N, pad_id), np.full_like(h_N, -1)
+  return (
+    {"inputs": np.stack([h_N, r1_N, pad_N], 1), "target": b_N, "bridge": none_N},
+    {
+      "inputs": np.stack([b_N, r2_N, pad_N], 1),
+      "target": split["target"],
+      "bridge": none_N,
+    },
+  )
+
+
 def fingerprint(data: TaskData) -> str:
   """sha256 of the vocab and every array, independent of platform byte order."""
   h = hashlib.sha256(f"{data.vocab.num_entities},{data.vocab.num_relations}".encode())
