@@ -1,9 +1,10 @@
 """orbax checkpoints of the train state and the data iterator.
 
 Layout: `workdir/checkpoints/<step>/{state,data}`. Saves are async; the last
-`keep` are kept plus every step divisible by `keep_every` (grokking runs need
-checkpoints from every phase). Restore walks back from the newest step until
-one restores, so a save cut short by a kill never blocks a resume.
+`keep` are kept, plus every step divisible by `keep_every` and the steps the
+training loop pins (grokking phase transitions). Restore walks back from the
+newest step until one restores, so a save cut short by a kill never blocks a
+resume.
 """
 
 import logging
@@ -12,10 +13,26 @@ import jax
 import orbax.checkpoint as ocp
 
 
-def manager(workdir, cfg) -> ocp.CheckpointManager:
+class _Pinned:
+  """Preserves the steps that are values of a dict the training loop updates."""
+
+  def __init__(self, pinned: dict):
+    self.pinned = pinned
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    steps = set(self.pinned.values())
+    return [c.step in steps for c in checkpoints]
+
+
+def manager(workdir, cfg, pinned: dict | None = None) -> ocp.CheckpointManager:
+  """Keeps the last `cfg.keep`, every `cfg.keep_every`-th and `pinned`'s steps."""
+  cm = ocp.checkpoint_managers
+  policies = [cm.LatestN(n=cfg.keep), _Pinned({} if pinned is None else pinned)]
+  if cfg.keep_every:
+    policies.append(cm.EveryNSteps(interval_steps=cfg.keep_every))
   options = ocp.CheckpointManagerOptions(
-    max_to_keep=cfg.keep,
-    keep_period=cfg.keep_every or None,
+    preservation_policy=cm.AnyPreservationPolicy(policies),
     enable_async_checkpointing=cfg.async_save,
     create=True,
   )

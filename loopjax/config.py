@@ -31,6 +31,7 @@ RESUMABLE = (
   "checkpoint",
   "eval",
   "data.data_dir",
+  "phases",
 )
 
 
@@ -97,6 +98,9 @@ def base() -> ml_collections.ConfigDict:
     label_smoothing=0.0,
   )
 
+  # Grokking phase thresholds (loopjax/analysis/grokking.py): accuracy on
+  # train_inferred, test_inferred_id and test_inferred_ood.
+  c.phases = dict(memorize=0.99, id=0.9, ood=0.9)
   c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
   c.eval_every = 250

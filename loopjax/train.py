@@ -19,6 +19,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from loopjax import checkpoint, data, evaluate, metrics
+from loopjax.analysis import grokking
 from loopjax.config import ConfigError, conflicts, to_json
 from loopjax.data import pipeline
 from loopjax.state import answer_loss, build_model, cast, init_state, make_optimizer
@@ -138,7 +139,8 @@ def train_and_evaluate(config, workdir) -> dict:
     config.data.atomic_repeat,
   )
 
-  mngr = checkpoint.manager(workdir, config.checkpoint)
+  phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
+  mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
     state = restored
@@ -152,12 +154,23 @@ def train_and_evaluate(config, workdir) -> dict:
   try:
     with _Preemption() as preempt:
       step, last = _loop(
-        config, state, train_step, train_iter, evaluator, mngr, writer, start, preempt
+        config,
+        workdir,
+        state,
+        train_step,
+        train_iter,
+        evaluator,
+        mngr,
+        writer,
+        start,
+        preempt,
+        phases,
       )
   finally:  # an error mid-run still completes pending saves and flushes logs
     mngr.wait_until_finished()
     mngr.close()
     writer.close()
+  print(f"phases: {grokking.summary(phases)}")
   if preempt.signal is not None:
     print(
       f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
@@ -167,7 +180,17 @@ def train_and_evaluate(config, workdir) -> dict:
 
 
 def _loop(
-  config, state, train_step, train_iter, evaluator, mngr, writer, start, preempt
+  config,
+  workdir,
+  state,
+  train_step,
+  train_iter,
+  evaluator,
+  mngr,
+  writer,
+  start,
+  preempt,
+  phases,
 ):
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
   num_steps = config.train.num_steps
@@ -187,7 +210,7 @@ def _loop(
     if pending is not None:  # step - 1's numbers: ready by now, no stall
       last |= _check_finite(*pending)
     pending = (step, step_metrics)
-    done = step == num_steps
+    done, new = step == num_steps, []
     if step % config.log_every == 0 or done:
       last |= _check_finite(*pending)
       pending = None
@@ -199,7 +222,13 @@ def _loop(
     if step % config.eval_every == 0 or done:
       last |= evaluator.run(state["params"])
       writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
-    if step % config.checkpoint.every == 0 or done:
+      new = grokking.newly_reached(last, config.phases, phases)
+      if new:
+        phases.update(dict.fromkeys(new, step))
+        if jax.process_index() == 0:
+          grokking.save(workdir, phases)
+        bar.write(f"step {step}: reached {', '.join(new)}")
+    if step % config.checkpoint.every == 0 or done or new:
       checkpoint.save(mngr, step, state, train_iter)
       saved = step
     bar.update(1)

@@ -156,3 +156,21 @@ def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_confi
     "eval/test_inferred_ood/atomic_known": 0.5,
     "eval/test_inferred_ood/acc_given_atomic": 0.5,
   }
+
+
+def test_phases_are_recorded_and_their_checkpoints_kept(tiny_config, tmp_path):
+  from loopjax.analysis import grokking
+
+  tiny_config.phases.update(memorize=0.3, id=0.0, ood=1.01)  # ood: never
+  tiny_config.checkpoint.update(every=20, keep=1)
+  train.train_and_evaluate(tiny_config, tmp_path)
+  phases = json.loads((tmp_path / "phases.json").read_text())
+  records = metrics.read_jsonl(tmp_path / "metrics.jsonl")
+  assert phases == {
+    k: v
+    for k, v in grokking.detect(records, tiny_config.phases).items()
+    if v is not None
+  }
+  assert phases["id"] == 20 and "ood" not in phases
+  kept = {int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()}
+  assert kept == {60} | set(phases.values())  # keep=1, plus every phase's step

@@ -1,0 +1,1 @@
+"""Analyses of runs and checkpoints."""
