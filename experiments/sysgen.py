@@ -6,6 +6,7 @@ Variants: `tiny` (smoke test, under a minute), `cpu` (default; a few minutes on 
   python -m loopjax.main --config=experiments/sysgen.py --workdir=runs/sysgen
   python -m loopjax.main --config=experiments/sysgen.py:tiny --workdir=runs/tiny
   python -m loopjax.main --config=experiments/sysgen.py:paper --workdir=runs/paper
+  python launch/sweep.py --config=experiments/sysgen.py --root=runs/sysgen_sweep --parallel=2
 """
 
 from loopjax import config as config_lib
@@ -56,3 +57,8 @@ def get_config(variant: str = "cpu"):
   else:
     raise ValueError(f"variant: must be one of tiny, cpu, paper; got {variant!r}")
   return c
+
+
+def sweep():
+  """Vanilla (R = 1) vs looped (R = 2, 4): the same block, data and optimizer."""
+  return [{"model.num_loops": r} for r in (1, 2, 4)]

@@ -5,6 +5,7 @@ and host share the same bytes; the stored fingerprint catches corruption.
 """
 
 import dataclasses
+import fcntl
 from pathlib import Path
 
 import numpy as np
@@ -90,8 +91,13 @@ def _builder(data_cfg) -> KgComposition:
 
 
 def _prepared(data_cfg) -> KgComposition:
-  builder = _builder(data_cfg)
-  builder.download_and_prepare(file_format="array_record")  # no-op once prepared
+  """Prepares under an exclusive file lock: parallel runs share one data_dir."""
+  root = Path(data_cfg.data_dir).expanduser()
+  root.mkdir(parents=True, exist_ok=True)
+  with open(root / f"{config_name(data_cfg)}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    builder = _builder(data_cfg)
+    builder.download_and_prepare(file_format="array_record")  # no-op once prepared
   return builder
 
 

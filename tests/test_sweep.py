@@ -1,0 +1,37 @@
+"""The local sweep launcher: names, commands, and a real two-run sweep."""
+
+from pathlib import Path
+
+from launch import sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dry_run_lists_one_command_per_sweep_point(tmp_path, capsys):
+  assert (
+    sweep.main(["--config=experiments/sysgen.py", f"--root={tmp_path}", "--dry-run"])
+    == 0
+  )
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3
+  for r, line in zip((1, 2, 4), lines, strict=True):
+    assert f"--workdir={tmp_path}/num_loops={r}" in line
+    assert line.endswith(f"--config.model.num_loops={r}")
+
+
+def test_parallel_sweep_trains_every_point(tiny_config, tmp_path, monkeypatch):
+  monkeypatch.setattr(
+    sweep, "load_sweep", lambda _: [{"model.num_loops": 1}, {"model.num_loops": 2}]
+  )
+  rc = sweep.main(
+    [
+      "--config=experiments/sysgen.py:tiny",
+      f"--root={tmp_path}",
+      "--parallel=2",
+      f"--config.data.data_dir={tmp_path / 'data'}",
+      "--config.train.num_steps=20",
+    ]
+  )
+  assert rc == 0
+  for r in (1, 2):
+    assert (tmp_path / f"num_loops={r}" / "checkpoints" / "20").exists()
