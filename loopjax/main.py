@@ -20,7 +20,9 @@ config_flags.DEFINE_config_file(
 flags.DEFINE_string(
   "workdir", None, "Directory of the run (config, logs, checkpoints)."
 )
-flags.DEFINE_enum("mode", "train", ["train", "eval"], "What to do with the workdir.")
+flags.DEFINE_enum(
+  "mode", "train", ["train", "eval", "report"], "What to do with the workdir."
+)
 flags.DEFINE_integer("step", None, "--mode=eval: checkpoint step (default: newest).")
 
 
@@ -51,6 +53,15 @@ def main(argv):
     config_lib.exit_with("--workdir is required")
   workdir = Path(FLAGS.workdir).expanduser()
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  if FLAGS.mode == "report":  # reads metrics files only: no config needed
+    from loopjax import report
+
+    try:
+      paths = report.report(workdir)
+    except FileNotFoundError as e:
+      config_lib.exit_with(str(e))
+    print("wrote " + ", ".join(map(str, paths)))
+    return
   config = _load_config(workdir)
   try:
     config_lib.validate(config)
@@ -59,8 +70,8 @@ def main(argv):
     if FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)
       print(
-        f"outputs in {workdir}: metrics.jsonl, checkpoints/, "
-        f"TensorBoard: tensorboard --logdir {workdir / 'tb'}"
+        f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "
+        f"--mode=report; TensorBoard: tensorboard --logdir {workdir / 'tb'}"
       )
     else:
       train.check_workdir(config, workdir)
