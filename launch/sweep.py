@@ -69,15 +69,14 @@ def main(argv=None) -> int:
   for i, (name, cmd) in enumerate(runs):
     if len(active) == args.parallel:
       failed += _wait(active.pop(0))
-    core = {cores[i % len(cores)]} if args.parallel > 1 else None
+    core = cores[i % len(cores)] if args.parallel > 1 else None
     log = open(args.root / f"{name}.log", "a")
     proc = subprocess.Popen(
-      cmd,
+      cmd if core is None else _pinned(cmd, core),
       stdout=log,
       stderr=subprocess.STDOUT,
-      preexec_fn=(lambda c=core: os.sched_setaffinity(0, c)) if core else None,
     )
-    print(f"started {name} (pid {proc.pid}{f', core {min(core)}' if core else ''})")
+    print(f"started {name} (pid {proc.pid}{'' if core is None else f', core {core}'})")
     active.append((name, proc, log))
   for job in active:
     failed += _wait(job)
@@ -86,6 +85,15 @@ def main(argv=None) -> int:
     + (f"; failed: {', '.join(failed)} (see their .log)" if failed else "")
   )
   return 1 if failed else 0
+
+
+def _pinned(cmd: list, core: int) -> list:
+  """`cmd` pinned to one core: a tiny Python sets its affinity, then execs `cmd`
+  (affinity survives exec; this process, which may hold threads, never forks)."""
+  pin = (
+    "import os, sys; os.sched_setaffinity(0, {%d}); os.execv(sys.argv[1], sys.argv[1:])"
+  )
+  return [sys.executable, "-c", pin % core, *cmd]
 
 
 def _wait(job) -> list[str]:

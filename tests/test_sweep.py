@@ -35,3 +35,13 @@ def test_parallel_sweep_trains_every_point(tiny_config, tmp_path, monkeypatch):
   assert rc == 0
   for r in (1, 2):
     assert (tmp_path / f"num_loops={r}" / "checkpoints" / "20").exists()
+
+
+def test_pinned_command_runs_on_one_core():
+  import subprocess
+  import sys
+
+  cmd = sweep._pinned(
+    [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"], 0
+  )
+  assert subprocess.run(cmd, capture_output=True, text=True).stdout.strip() == "{0}"
