@@ -6,6 +6,7 @@ state; the loop dispatches step N before it reads step N-1's metrics, so the hos
 never waits on the device just to log.
 """
 
+import dataclasses
 import json
 import signal
 import time
@@ -153,19 +154,18 @@ def train_and_evaluate(config, workdir) -> dict:
   writer = metrics.Writer(workdir)
   try:
     with _Preemption() as preempt:
-      step, last = _loop(
+      run = _Run(
         config,
         workdir,
-        state,
         train_step,
         train_iter,
         evaluator,
         mngr,
         writer,
-        start,
         preempt,
         phases,
       )
+      step, last = _loop(run, state, start)
   finally:  # an error mid-run still completes pending saves and flushes logs
     mngr.wait_until_finished()
     mngr.close()
@@ -179,20 +179,25 @@ def train_and_evaluate(config, workdir) -> dict:
   return last
 
 
-def _loop(
-  config,
-  workdir,
-  state,
-  train_step,
-  train_iter,
-  evaluator,
-  mngr,
-  writer,
-  start,
-  preempt,
-  phases,
-):
+@dataclasses.dataclass
+class _Run:
+  """What the loop works with, besides the state it steps."""
+
+  config: object
+  workdir: Path
+  train_step: object
+  train_iter: object
+  evaluator: evaluate.Evaluator
+  mngr: object
+  writer: metrics.Writer
+  preempt: _Preemption
+  phases: dict  # phase -> step; its steps' checkpoints are kept (see checkpoint.py)
+
+
+def _loop(run: _Run, state, start: int):
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
+  config, mngr, writer, phases = run.config, run.mngr, run.writer, run.phases
+  train_iter, preempt = run.train_iter, run.preempt
   num_steps = config.train.num_steps
   bar = tqdm(
     total=num_steps,
@@ -205,7 +210,7 @@ def _loop(
   last, pending, step, saved = {}, None, start, start
   t_log, step_log = time.perf_counter(), start
   while step < num_steps and preempt.signal is None:
-    state, step_metrics = train_step(state, next(train_iter))
+    state, step_metrics = run.train_step(state, next(train_iter))
     step += 1
     if pending is not None:  # step - 1's numbers: ready by now, no stall
       last |= _check_finite(*pending)
@@ -220,13 +225,13 @@ def _loop(
         step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
       )
     if step % config.eval_every == 0 or done:
-      last |= evaluator.run(state["params"])
+      last |= run.evaluator.run(state["params"])
       writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
       new = grokking.newly_reached(last, config.phases, phases)
       if new:
         phases.update(dict.fromkeys(new, step))
         if jax.process_index() == 0:
-          grokking.save(workdir, phases)
+          grokking.save(run.workdir, phases)
         bar.write(f"step {step}: reached {', '.join(new)}")
     if step % config.checkpoint.every == 0 or done or new:
       checkpoint.save(mngr, step, state, train_iter)
