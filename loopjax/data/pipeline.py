@@ -6,6 +6,8 @@ vectorized gather. The iterator's state (`get_state`/`set_state`) is saved in
 checkpoints, so a resumed run sees exactly the batches it would have seen.
 """
 
+import functools
+
 import grain
 import jax
 import numpy as np
@@ -32,8 +34,12 @@ def train_iterator(
 ):
   """Endless shuffled batches of this process's shard (a new order each epoch).
 
-  `atomic_repeat` > 1 puts every atomic fact (bridge -1) that many times in each
-  epoch: OOD atomic facts are otherwise ~1% of the stream and stay unmemorized.
+  An element of the grain dataset is a whole batch: epoch e's permutation is
+  drawn once (seeded by (seed, e)) and batch j is one slice and one gather, so a
+  batch costs microseconds instead of a Python call per example (12-24 ms per
+  batch of 256 with element-wise shuffle + batch). The last partial batch of an
+  epoch is dropped. `atomic_repeat` > 1 puts every atomic fact (bridge -1) that
+  many times in each epoch: OOD atomic facts are otherwise ~1% of the stream.
   """
   n_proc, i_proc = jax.process_count(), jax.process_index()
   if batch_size % n_proc:
@@ -41,17 +47,27 @@ def train_iterator(
       f"train.batch_size: must be divisible by the number of "
       f"processes ({n_proc}); got {batch_size}"
     )
+  B = batch_size // n_proc
   atomic = np.flatnonzero(split["bridge"] < 0)
   epoch = np.concatenate(
     [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
-  )
-  ds = (
-    grain.MapDataset.source(epoch)[i_proc::n_proc]
-    .shuffle(seed=seed)
-    .repeat()
-    .batch(batch_size // n_proc)
-    .map(lambda idx_B: _gather(split, idx_B, pad_id))
-  )
+  )[i_proc::n_proc]
+  per_epoch = len(epoch) // B
+  if per_epoch == 0:
+    raise ConfigError(
+      f"train.batch_size: must be at most the training set's "
+      f"size per process ({len(epoch)}); got {batch_size}"
+    )
+
+  @functools.lru_cache(maxsize=2)
+  def order(e: int):
+    return epoch[np.random.default_rng([seed, e]).permutation(len(epoch))]
+
+  def batch(i, _):
+    j = i % per_epoch
+    return _gather(split, order(i // per_epoch)[j * B : (j + 1) * B], pad_id)
+
+  ds = grain.MapDataset.range(per_epoch).repeat().map_with_index(batch)
   return iter(ds.to_iter_dataset())
 
 
