@@ -65,27 +65,27 @@ class Evaluator:
       np.concatenate([np.asarray(o[i]) for o in outs], 1)[:, :n] for i in range(2)
     )
 
-  def per_depth(self, params) -> dict:
-    """{split: {"acc": {depth: .}, "loss": {depth: .}}}."""
-    out = {}
+  def per_depth(self, params) -> tuple[dict, dict]:
+    """{split: {"acc": {depth: .}, "loss": {depth: .}}}, and per-example results."""
+    out, examples = {}, {}
     for name, split in self.probes.items():
-      loss_RN, correct_RN = self.per_example(params, split)
+      loss_RN, correct_RN = examples[name] = self.per_example(params, split)
       out[name] = {
         "acc": {d: float(correct_RN[d - 1].mean()) for d in self.depths},
         "loss": {d: float(loss_RN[d - 1].mean()) for d in self.depths},
       }
-    return out
+    return out, examples
 
-  def conditional_ood(self, params) -> dict:
+  def conditional_ood(self, params, correct_N) -> dict:
     """OOD accuracy on the queries whose two atomic facts the model answers.
 
     Tells composition failure apart from memorization failure: a model that
     knows both hops but misses the query has not learned to compose them.
+    `correct_N`: whether each test_inferred_ood query is answered at depth R.
     """
     split = self.probes.get("test_inferred_ood")
     if split is None or not len(split["target"]):
       return {}
-    correct_N = self.per_example(params, split)[1][self.R - 1]
     hop1, hop2 = kg.hops(split, self.pad)
     known_N = (
       self.per_example(params, hop1)[1][self.R - 1]
@@ -98,8 +98,11 @@ class Evaluator:
 
   def run(self, params) -> dict:
     """Flat metrics: `eval/<split>/{acc,loss}` at the train depth, `acc@<d>` else."""
-    out = self.conditional_ood(params)
-    for name, res in self.per_depth(params).items():
+    results, examples = self.per_depth(params)
+    out = {}
+    if "test_inferred_ood" in examples:
+      out |= self.conditional_ood(params, examples["test_inferred_ood"][1][self.R - 1])
+    for name, res in results.items():
       out[f"eval/{name}/acc"] = res["acc"][self.R]
       out[f"eval/{name}/loss"] = res["loss"][self.R]
       out |= {f"eval/{name}/acc@{d}": a for d, a in res["acc"].items() if d != self.R}
@@ -122,7 +125,7 @@ def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   if state is None:
     raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
   depths = tuple(config.eval.depths) or (config.model.num_loops,)
-  results = Evaluator(graphdef, config, task, depths).per_depth(state["params"])
+  results, _ = Evaluator(graphdef, config, task, depths).per_depth(state["params"])
   report = {
     "step": step,
     "depths": list(depths),

@@ -149,9 +149,9 @@ def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_confi
     "test_inferred_ood": {k: v[:4] for k, v in task.splits["test_inferred_ood"].items()}
   }
   # query correct: T F T T; hop 1 known: T T F T; hop 2 known: T T T F
-  answers = iter([[1, 0, 1, 1], [1, 1, 0, 1], [1, 1, 1, 0]])
+  answers = iter([[1, 1, 0, 1], [1, 1, 1, 0]])
   ev.per_example = lambda params, split: (None, np.array([next(answers)], bool))
-  out = ev.conditional_ood(params=None)
+  out = ev.conditional_ood(None, np.array([1, 0, 1, 1], bool))
   assert out == {
     "eval/test_inferred_ood/atomic_known": 0.5,
     "eval/test_inferred_ood/acc_given_atomic": 0.5,
