@@ -61,10 +61,9 @@ def cast(params, dtype: str):
   )
 
 
-def answer_loss(logits_BV, target_B, weight_B, label_smoothing: float):
-  """Weighted-sum cross-entropy (with label smoothing) and correct count."""
+def answer_loss(logits_BV, target_B, label_smoothing: float):
+  """Mean cross-entropy on the answer token (with label smoothing), accuracy."""
   V = logits_BV.shape[-1]
   labels_BV = optax.smooth_labels(jax.nn.one_hot(target_B, V), label_smoothing)
   loss_B = optax.softmax_cross_entropy(logits_BV, labels_BV)
-  correct_B = (logits_BV.argmax(-1) == target_B).astype(jnp.float32)
-  return (loss_B * weight_B).sum(), (correct_B * weight_B).sum()
+  return loss_B.mean(), (logits_BV.argmax(-1) == target_B).mean()
