@@ -1,16 +1,39 @@
 """orbax checkpoints of the train state and the data iterator.
 
-Layout: `workdir/checkpoints/<step>/{state,data}`. Saves are async; the last
-`keep` are kept, plus every step divisible by `keep_every` and the steps the
-training loop pins (grokking phase transitions). Restore walks back from the
-newest step until one restores, so a save cut short by a kill never blocks a
-resume.
+Layout: `workdir/checkpoints/<step>/{state,data,meta}`. Saves are async; the
+last `keep` are kept, plus every step divisible by `keep_every` and the steps the
+training loop pins (grokking phase transitions). `meta` holds a checksum of every
+saved array, computed on device before the write and checked after a restore.
+Restore walks back from the newest step until one restores and verifies; a step
+that does not is moved to `workdir/checkpoints_corrupt/` (kept, never deleted), so
+a torn or damaged file never blocks a resume and the step can be saved again.
+orbax writes each step to a temporary directory and renames it when complete, so
+a kill mid-write leaves no step directory to restore from.
 """
 
-import logging
+import contextlib
+import shutil
+from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from loopjax.config import ConfigError, first_line
+
+CORRUPT_DIR = "checkpoints_corrupt"
+
+
+class NoGoodCheckpoint(ConfigError):
+  """Checkpoints exist but none restores; they are left as they are."""
+
+
+class WriteError(OSError):
+  """A checkpoint could not be written (disk full, file too large, no permission)."""
+
+
+class CorruptCheckpoint(ValueError):
+  """A checkpoint whose arrays do not match the checksums saved with them."""
 
 
 class _Pinned:
@@ -39,43 +62,134 @@ def manager(workdir, cfg, pinned: dict | None = None) -> ocp.CheckpointManager:
   return ocp.CheckpointManager((workdir / "checkpoints").absolute(), options=options)
 
 
+@jax.jit
+def _digest(tree):
+  """Per leaf, sum_i word_i * (2i + 1) mod 2^32 over the array's 32-bit words,
+  and whether every float in the tree is finite.
+
+  Any change to one word changes the sum (2i + 1 is odd, so invertible mod 2^32);
+  so do swapped words. Runs on device, sharded or not, without a host copy.
+  """
+
+  def leaf(x):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    x = x.ravel().astype(jnp.uint8) if x.dtype == jnp.bool_ else x.ravel()
+    if x.dtype.itemsize == 4:
+      w = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    else:  # 1- and 2-byte types: widen the bit pattern; 8-byte: x64 is off
+      w = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+      w = w.astype(jnp.uint32)
+    i = jnp.arange(w.size, dtype=jnp.uint32)
+    return jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
+
+  floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+  return jax.tree.map(leaf, tree), finite
+
+
+def digest(tree) -> tuple[dict[str, int], bool]:
+  """({leaf path: checksum}, all floats finite) for `tree` (see `_digest`)."""
+  sums, finite = jax.device_get(_digest(tree))
+  paths = jax.tree.leaves_with_path(sums)
+  return {jax.tree_util.keystr(k): int(v) for k, v in paths}, bool(finite)
+
+
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iter) -> None:
-  mngr.save(
-    step,
-    force=True,
-    args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_iter.get_state())
-    ),
-  )
+  """Saves asynchronously; refuses (FloatingPointError) a state with NaN or inf."""
+  sums, finite = digest(state)
+  if not finite:
+    raise FloatingPointError(f"step {step}: the train state holds NaN or inf")
+  with _writing():  # also reports the previous async save's failure, if any
+    mngr.save(
+      step,
+      force=True,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state),
+        data=ocp.args.JsonSave(data_iter.get_state()),
+        meta=ocp.args.JsonSave({"checksums": sums}),
+      ),
+    )
+
+
+def wait(mngr: ocp.CheckpointManager) -> None:
+  """Blocks until async saves are on disk; raises WriteError if one failed."""
+  with _writing():
+    mngr.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _writing():
+  try:
+    yield
+  except (OSError, ValueError) as e:  # tensorstore reports I/O errors as ValueError
+    raise WriteError(f"a checkpoint write failed: {first_line(e)}") from e
 
 
 def restore(
   mngr: ocp.CheckpointManager, abstract_state, data_iter=None, step: int | None = None
 ):
-  """Restores `step` (default: the newest that restores) -> (state, step).
+  """Restores `step` (default: the newest good one) -> (state, step).
 
   `abstract_state` gives the tree structure, shapes and dtypes; the data
   iterator, if given, is moved to its saved position. Returns (None, None)
-  when there is no checkpoint.
+  when there is no checkpoint. A checkpoint that fails to restore or to verify
+  raises if `step` was asked for. Otherwise older ones are tried, and the bad
+  newer ones are moved aside once an older one restores; if none restores,
+  nothing is moved and NoGoodCheckpoint says why (e.g. a changed model).
   """
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
+  failed = []
   for s in steps:
+    # Checkpoints written before checksums existed restore unverified.
+    has_meta = (Path(str(mngr.directory)) / str(s) / "meta").is_dir()
+    items = {
+      "state": ocp.args.StandardRestore(abstract_state),
+      "data": ocp.args.JsonRestore(),
+    } | ({"meta": ocp.args.JsonRestore()} if has_meta else {})
     try:
-      out = mngr.restore(
-        s,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()
-        ),
-      )
+      out = mngr.restore(s, args=ocp.args.Composite(**items))
+      if has_meta:
+        verify(out.state, out.meta["checksums"], s)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try older
       if step is not None:
         raise
-      logging.warning("checkpoint %d does not restore (%s); trying older", s, e)
+      failed.append((s, first_line(e)))
       continue
+    for bad, why in failed:
+      _quarantine(mngr, bad, why)
     if data_iter is not None:
       data_iter.set_state(out.data)
     return out.state, s
+  if failed:
+    raise NoGoodCheckpoint(
+      f"no checkpoint in {mngr.directory} restores (newest, step {failed[0][0]}: "
+      f"{failed[0][1]}); nothing was changed. Move them away to start afresh"
+    )
   return None, None
+
+
+def verify(state, saved: dict[str, int], step: int) -> None:
+  """Raises CorruptCheckpoint naming the arrays whose checksums differ."""
+  bad = [k for k, v in digest(state)[0].items() if saved.get(k) != v]
+  if bad:
+    raise CorruptCheckpoint(
+      f"checkpoint {step}: checksum mismatch in {', '.join(bad[:4])}"
+      + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+    )
+
+
+def _quarantine(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
+  """Moves a bad step out of the manager's sight; the bytes stay for inspection."""
+  src = Path(str(mngr.directory)) / str(step)
+  dst = src.parent.parent / CORRUPT_DIR / str(step)
+  while dst.exists():
+    dst = dst.with_name(dst.name + "+")
+  if jax.process_index() == 0:
+    dst.parent.mkdir(exist_ok=True)
+    shutil.move(src, dst)
+  mngr.reload()
+  print(f"checkpoint {step} is damaged ({why}); moved it to {dst}")
 
 
 def abstract(tree):

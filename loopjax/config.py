@@ -21,6 +21,7 @@ ENUMS = {
   "model.remat": ("none", "full", "dots"),
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),
+  "train.supervise": ("last", "from_hops", "atomic_every"),
 }
 
 # Fields that may change when a run resumes: how long and how often, not what.
@@ -39,10 +40,21 @@ class ConfigError(ValueError):
   """Bad input (a config value, a data file); the message is one line for the user."""
 
 
-def exit_with(message: str):
-  """Ends a command-line run on bad input: one line on stderr, exit code 2."""
+def first_line(e: Exception, limit: int = 400) -> str:
+  """An exception as one line for the user (library errors can run to pages)."""
+  lines = str(e).strip().splitlines()
+  if not lines:
+    return type(e).__name__
+  line = lines[0]  # long ones (tensorstore's) put the cause at the end: keep both
+  return (
+    line if len(line) <= limit else f"{line[: limit // 2]} ... {line[-limit // 2 :]}"
+  )
+
+
+def exit_with(message: str, code: int = 2):
+  """Ends a command-line run: one line on stderr; exit code 2 for bad input."""
   print(f"error: {message}", file=sys.stderr)
-  sys.exit(2)
+  sys.exit(code)
 
 
 def base() -> ml_collections.ConfigDict:
@@ -96,6 +108,7 @@ def base() -> ml_collections.ConfigDict:
     b2=0.98,
     grad_clip=1.0,
     label_smoothing=0.0,
+    supervise="last",  # iterations with a loss: "last" or "from_hops" (train.py)
   )
 
   # Grokking phase thresholds (loopjax/analysis/grokking.py): accuracy on
@@ -196,16 +209,22 @@ def to_json(c: ml_collections.ConfigDict) -> str:
   return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=list)
 
 
-def conflicts(old: dict, new: dict, prefix: str = "") -> list[str]:
-  """Fields whose values differ between two config dicts, except RESUMABLE ones."""
+def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str]:
+  """Fields whose values differ between two config dicts, except RESUMABLE ones.
+
+  A field the old run did not have (added to loopjax since) is no conflict when
+  the new config leaves it at its default: old runs keep resuming.
+  """
+  defaults = base().to_dict() if defaults is None else defaults
   out = []
   for k in sorted(set(old) | set(new)):
     path = f"{prefix}{k}"
     if any(path == r or path.startswith(r + ".") for r in RESUMABLE):
       continue
     a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
+    d = defaults.get(k, "<missing>") if isinstance(defaults, dict) else "<missing>"
     if isinstance(a, dict) and isinstance(b, dict):
-      out += conflicts(a, b, path + ".")
-    elif a != b:
+      out += conflicts(a, b, path + ".", d)
+    elif a != b and not (k not in old and b == d):
       out.append(f"{path}={a!r} (workdir) vs {b!r} (new)")
   return out

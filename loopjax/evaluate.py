@@ -24,10 +24,13 @@ class Evaluator:
   def __init__(self, graphdef, config, task, depths=()):
     self.R = config.model.num_loops
     self.depths = sorted({int(d) for d in depths} | {self.R})
-    self.probes = {k: v for k, v in task.splits.items() if k != "train"}
+    self.probes = {  # empty splits (e.g. no OOD facts) have nothing to report
+      k: v for k, v in task.splits.items() if k != "train" and len(v["target"])
+    }
     self.pad = task.vocab.pad_id
     self.batch_size = min(
-      config.eval.batch_size, max(len(v["target"]) for v in self.probes.values())
+      config.eval.batch_size,
+      max((len(v["target"]) for v in self.probes.values()), default=1),
     )
     key, dtype, R_eval = (
       jax.random.key(config.seed),

@@ -65,8 +65,11 @@ def main(argv):
   config = _load_config(workdir)
   try:
     config_lib.validate(config)
-    from loopjax import evaluate, train  # after validation: nothing compiles first
+  except config_lib.ConfigError as e:
+    config_lib.exit_with(str(e))
+  from loopjax import evaluate, train  # after validation: nothing compiles first
 
+  try:
     if FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)
       print(
@@ -78,6 +81,8 @@ def main(argv):
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
+  except train.RunStopped as e:
+    config_lib.exit_with(str(e), code=1)
 
 
 if __name__ == "__main__":

@@ -61,9 +61,14 @@ def cast(params, dtype: str):
   )
 
 
+def answer_xent(logits_NV, target_N, label_smoothing: float):
+  """Per-example cross-entropy on the answer token; any leading shape N."""
+  V = logits_NV.shape[-1]
+  labels_NV = optax.smooth_labels(jax.nn.one_hot(target_N, V), label_smoothing)
+  return optax.softmax_cross_entropy(logits_NV, labels_NV)
+
+
 def answer_loss(logits_BV, target_B, label_smoothing: float):
   """Mean cross-entropy on the answer token (with label smoothing), accuracy."""
-  V = logits_BV.shape[-1]
-  labels_BV = optax.smooth_labels(jax.nn.one_hot(target_B, V), label_smoothing)
-  loss_B = optax.softmax_cross_entropy(logits_BV, labels_BV)
+  loss_B = answer_xent(logits_BV, target_B, label_smoothing)
   return loss_B.mean(), (logits_BV.argmax(-1) == target_B).mean()

@@ -15,26 +15,65 @@ from functools import partial
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 from tqdm import tqdm
 
 from loopjax import checkpoint, data, evaluate, metrics
 from loopjax.analysis import grokking
-from loopjax.config import ConfigError, conflicts, to_json
+from loopjax.config import ConfigError, conflicts, first_line, to_json
 from loopjax.data import pipeline
-from loopjax.state import answer_loss, build_model, cast, init_state, make_optimizer
+from loopjax.state import (
+  answer_loss,
+  answer_xent,
+  build_model,
+  cast,
+  init_state,
+  make_optimizer,
+)
 
 
-def make_train_step(graphdef, tx, model_cfg, label_smoothing: float):
+def supervised(mode: str, R: int, hops_B):
+  """Which iterations' answers get a loss: bool (R, B), True where supervised.
+
+  "last": the answer after the final iteration only (the papers).
+  "atomic_every": atomic facts (1 hop) after every iteration, the rest after
+  the last: a fact must be retrievable at whatever iteration a composition
+  needs it, not only at R (without it, OOD facts, never used as a first hop in
+  training, resolve iterations later than ID ones; README, Results).
+  "from_hops": every iteration from the example's hop count on.
+  """
+  t_R1, hops_1B = jnp.arange(1, R + 1)[:, None], hops_B[None]
+  if mode == "last":
+    return jnp.broadcast_to(t_R1 == R, (R, hops_B.shape[0]))
+  if mode == "atomic_every":
+    return (t_R1 == R) | (hops_1B == 1)
+  return t_R1 >= hops_1B
+
+
+def make_train_step(graphdef, tx, model_cfg, train_cfg):
+  """The jitted step; `train_cfg.supervise` picks the supervised iterations."""
+  label_smoothing = train_cfg.label_smoothing
+  R = model_cfg.num_loops
+
   @partial(jax.jit, donate_argnums=0)
   def train_step(state, batch):
     key = jax.random.fold_in(state["rng"], state["step"])
 
     def loss_fn(params):
       model = nnx.merge(graphdef, cast(params, model_cfg.dtype))
-      logits_BV = model(batch["inputs"], batch["answer_pos"], key=key)
-      return answer_loss(logits_BV, batch["target"], label_smoothing)
+      if train_cfg.supervise == "last":
+        logits_BV = model(batch["inputs"], batch["answer_pos"], key=key)
+        return answer_loss(logits_BV, batch["target"], label_smoothing)
+      logits_BV, logits_RBV = model(
+        batch["inputs"], batch["answer_pos"], per_iteration=True, key=key
+      )
+      # The answer sits after h r1..rk at position k: k hops.
+      on_RB = supervised(train_cfg.supervise, R, batch["answer_pos"])
+      loss_RB = answer_xent(logits_RBV, batch["target"][None], label_smoothing)
+      loss = (loss_RB * on_RB).sum() / on_RB.sum()
+      return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -70,6 +109,19 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
+def _check_writable(workdir: Path) -> None:
+  """Fails now, not at the first checkpoint, if the workdir cannot be written."""
+  probe = workdir / f".write-probe-{jax.process_index()}"
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    probe.write_bytes(b"")
+    probe.unlink()
+  except OSError as e:
+    raise ConfigError(
+      f"--workdir={workdir}: cannot write there ({e.strerror or e})"
+    ) from e
+
+
 def record_run(config, workdir: Path, task) -> None:
   """Writes config.json and dataset.json; refuses data that changed under a run."""
   sizes = {k: len(v["target"]) for k, v in task.splits.items()}
@@ -97,6 +149,10 @@ def record_run(config, workdir: Path, task) -> None:
     saved.write_text(json.dumps(dataset, indent=2))
 
 
+class RunStopped(RuntimeError):
+  """The run cannot go on (diverged, disk full); its saved checkpoints are intact."""
+
+
 class _Preemption:
   """While active, SIGTERM/SIGINT set a flag the loop checks after each step."""
 
@@ -120,13 +176,14 @@ def train_and_evaluate(config, workdir) -> dict:
   workdir = Path(workdir)
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
+  _check_writable(workdir)
   record_run(config, workdir, task)
   pad = task.vocab.pad_id
   max_len = task.splits["train"]["inputs"].shape[1]
   model = build_model(config.model, task.vocab.vocab_size, max_len, config.seed)
   tx = make_optimizer(config.train)
   graphdef, state = init_state(model, tx, config.seed)
-  train_step = make_train_step(graphdef, tx, config.model, config.train.label_smoothing)
+  train_step = make_train_step(graphdef, tx, config.model, config.train)
   evaluator = evaluate.Evaluator(graphdef, config, task)
   train_iter = pipeline.train_iterator(
     task.splits["train"],
@@ -148,6 +205,7 @@ def train_and_evaluate(config, workdir) -> dict:
     mngr.close()
     return {}
   writer = metrics.Writer(workdir)
+  failure = None
   try:
     with _Preemption() as preempt:
       run = _Run(
@@ -162,10 +220,25 @@ def train_and_evaluate(config, workdir) -> dict:
         phases,
       )
       step, last = _loop(run, state, start)
+  except (FloatingPointError, OSError) as e:
+    failure = e
   finally:  # an error mid-run still completes pending saves and flushes logs
-    mngr.wait_until_finished()
+    try:
+      checkpoint.wait(mngr)
+    except checkpoint.WriteError as e:
+      failure = failure or e
     mngr.close()
     writer.close()
+  if failure is not None:
+    newest = mngr.latest_step()
+    raise RunStopped(
+      f"{first_line(failure)}; the run stopped. "
+      + (
+        f"Checkpoints are intact, newest: step {newest} in {workdir / 'checkpoints'}"
+        if newest is not None
+        else "No checkpoint was saved."
+      )
+    ) from failure
   print(f"phases: {grokking.summary(phases)}")
   if preempt.signal is not None:
     print(
@@ -195,55 +268,60 @@ def _loop(run: _Run, state, start: int):
   config, mngr, writer, phases = run.config, run.mngr, run.writer, run.phases
   train_iter, preempt = run.train_iter, run.preempt
   num_steps = config.train.num_steps
-  bar = tqdm(
+  with tqdm(
     total=num_steps,
     initial=start,
     desc="train",
     unit="step",
     disable=jax.process_index() != 0,
     dynamic_ncols=True,
-  )
-  last, pending, step, saved = {}, None, start, start
-  t_log, step_log = time.perf_counter(), start
-  while step < num_steps and preempt.signal is None:
-    state, step_metrics = run.train_step(state, next(train_iter))
-    step += 1
-    if pending is not None:  # step - 1's numbers: ready by now, no stall
-      last |= _check_finite(*pending)
-    pending = (step, step_metrics)
-    done, new = step == num_steps, []
-    if step % config.log_every == 0 or done:
-      last |= _check_finite(*pending)
-      pending = None
-      rate = (step - step_log) / (time.perf_counter() - t_log)
-      t_log, step_log = time.perf_counter(), step
-      writer.write(
-        step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
-      )
-    if step % config.eval_every == 0 or done:
-      last |= run.evaluator.run(state["params"])
-      writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
-      new = grokking.newly_reached(last, config.phases, phases)
-      if new:
-        phases.update(dict.fromkeys(new, step))
-        if jax.process_index() == 0:
-          grokking.save(run.workdir, phases)
-        bar.write(f"step {step}: reached {', '.join(new)}")
-    if step % config.checkpoint.every == 0 or done or new:
+  ) as bar:
+    last, pending, step, saved = {}, None, start, start
+    t_log, step_log = time.perf_counter(), start
+    while step < num_steps and preempt.signal is None:
+      state, step_metrics = run.train_step(state, next(train_iter))
+      step += 1
+      if pending is not None:  # step - 1's numbers: ready by now, no stall
+        last |= _check_finite(*pending)
+      pending = (step, step_metrics)
+      done, new = step == num_steps, []
+      if step % config.log_every == 0 or done:
+        last |= _check_finite(*pending)
+        pending = None
+        rate = (step - step_log) / (time.perf_counter() - t_log)
+        t_log, step_log = time.perf_counter(), step
+        writer.write(
+          step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
+        )
+      if step % config.eval_every == 0 or done:
+        last |= run.evaluator.run(state["params"])
+        writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
+        new = grokking.newly_reached(last, config.phases, phases)
+        if new:
+          phases.update(dict.fromkeys(new, step))
+          if jax.process_index() == 0:
+            grokking.save(run.workdir, phases)
+          bar.write(f"step {step}: reached {', '.join(new)}")
+      if step % config.checkpoint.every == 0 or done or new:
+        if pending is not None:  # never save past a step whose numbers are bad
+          last |= _check_finite(*pending)
+          pending = None
+        checkpoint.save(mngr, step, state, train_iter)
+        saved = step
+      bar.update(1)
+      bar.set_postfix(_postfix(last), refresh=False)
+    if preempt.signal is not None and saved != step:
       checkpoint.save(mngr, step, state, train_iter)
-      saved = step
-    bar.update(1)
-    bar.set_postfix(_postfix(last), refresh=False)
-  if preempt.signal is not None and saved != step:
-    checkpoint.save(mngr, step, state, train_iter)
-  bar.close()
-  return step, last
+    return step, last
 
 
 def _check_finite(step: int, step_metrics) -> dict:
   out = {k: float(v) for k, v in jax.device_get(step_metrics).items()}
-  if not math.isfinite(out["train/loss"]):
-    raise FloatingPointError(f"step {step}: train/loss is {out['train/loss']}")
+  bad = {k: v for k, v in out.items() if not math.isfinite(v)}
+  if bad:
+    raise FloatingPointError(
+      f"step {step}: " + ", ".join(f"{k} is {v}" for k, v in bad.items())
+    )
   return out
 
 

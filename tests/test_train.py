@@ -174,3 +174,50 @@ def test_phases_are_recorded_and_their_checkpoints_kept(tiny_config, tmp_path):
   assert phases["id"] == 20 and "ood" not in phases
   kept = {int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()}
   assert kept == {60} | set(phases.values())  # keep=1, plus every phase's step
+
+
+def test_supervised_iterations():
+  import jax.numpy as jnp
+
+  hops = jnp.array([1, 2])  # an atomic fact, a 2-hop query; R = 3
+  T, F = True, False
+  assert train.supervised("last", 3, hops).tolist() == [[F, F], [F, F], [T, T]]
+  assert train.supervised("atomic_every", 3, hops).tolist() == [
+    [T, F],
+    [T, F],
+    [T, T],
+  ]
+  assert train.supervised("from_hops", 3, hops).tolist() == [[T, F], [T, T], [T, T]]
+
+
+@pytest.mark.parametrize("mode", ["last", "atomic_every"])
+def test_train_step_loss_is_mean_over_supervised_iterations(tiny_config, mode):
+  import jax
+  import numpy as np
+  import optax
+  from flax import nnx
+
+  from loopjax import data
+  from loopjax.data import pipeline
+  from loopjax.state import build_model, init_state, make_optimizer
+
+  tiny_config.train.supervise = mode
+  task = data.load(tiny_config.data)
+  model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
+  tx = make_optimizer(tiny_config.train)
+  graphdef, state = init_state(model, tx, 0)
+  batch = next(pipeline.train_iterator(task.splits["train"], 64, 0, task.vocab.pad_id))
+  _, logits_RBV = nnx.merge(graphdef, state["params"])(
+    batch["inputs"], batch["answer_pos"], per_iteration=True
+  )
+  xent_RB = np.asarray(
+    optax.softmax_cross_entropy_with_integer_labels(logits_RBV, batch["target"][None])
+  )
+  on_RB = np.zeros_like(xent_RB, bool)
+  on_RB[-1] = True  # R = 2: the last iteration always counts
+  if mode == "atomic_every":
+    on_RB[:, batch["answer_pos"] == 1] = True
+    assert 0 < (batch["answer_pos"] == 1).sum() < 64  # both kinds in the batch
+  step = train.make_train_step(graphdef, tx, tiny_config.model, tiny_config.train)
+  _, out = step(jax.tree.map(lambda x: x.copy(), state), batch)
+  np.testing.assert_allclose(out["train/loss"], xent_RB[on_RB].mean(), rtol=1e-5)

@@ -12,7 +12,13 @@ _JSON = "grokked_json:"
 def load(data_cfg) -> TaskData:
   """The splits that `data_cfg.source` names."""
   if data_cfg.source == "generate":
-    return tfds_kg.read(data_cfg)
+    try:
+      return tfds_kg.read(data_cfg)
+    except OSError as e:  # data_dir not creatable or writable, disk full
+      raise ConfigError(
+        f"data.data_dir: cannot prepare the dataset in {data_cfg.data_dir!r} "
+        f"({e.strerror or e}); pick a writable directory"
+      ) from e
   if data_cfg.source.startswith(_JSON):
     return grokked_json.load(data_cfg.source.removeprefix(_JSON))
   raise ConfigError(

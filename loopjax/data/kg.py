@@ -83,13 +83,13 @@ def composition(
   pool_train = np.flatnonzero(both_id_C & ~held_out_C)
 
   atomic_id, atomic_ood = np.flatnonzero(~ood_A), np.flatnonzero(ood_A)
-  num_inferred = round(phi * len(atomic_id))
-  if num_inferred > len(pool_train):
+  wanted = phi * len(atomic_id)  # compared as a float: a huge phi overflows round()
+  if wanted >= len(pool_train) + 0.5:
     raise ConfigError(
-      f"data.phi: {phi} asks for {num_inferred} inferred training facts but only "
+      f"data.phi: {phi} asks for {wanted:.6g} inferred training facts but only "
       f"{len(pool_train)} exist; use at most {len(pool_train) / len(atomic_id):.6g}"
     )
-  train_inferred = rng.choice(pool_train, num_inferred, replace=False)
+  train_inferred = rng.choice(pool_train, round(wanted), replace=False)
 
   no_hop = np.full(E * D, -1)
   train = _shuffle(
