@@ -1,7 +1,14 @@
 """Systematic generalization on 2-hop composition ("Grokked Transformers", LTG).
 
-Variants: `tiny` (smoke test, under a minute), `cpu` (default; a few minutes on a
-2-core laptop), `paper` (LTG's systematicity setting).
+Variants: `tiny` (smoke test, under a minute), `cpu` (default: the whole
+memorize -> ID -> OOD story in a few minutes on a 2-core laptop), `paper` (LTG's
+systematicity setting).
+
+`cpu` departs from the papers' recipe in three measured ways (README, Results):
+atomic facts appear 8x per epoch (OOD atomic facts are otherwise ~1% of the
+stream), atomic facts get a loss after every iteration (`atomic_every`: without
+it OOD facts resolve iterations later than ID ones and OOD composition stalls
+near 0.4-0.5), and the learning rate decays (cosine) over the run.
 
   python -m loopjax.main --config=experiments/sysgen.py --workdir=runs/sysgen
   python -m loopjax.main --config=experiments/sysgen.py:tiny --workdir=runs/tiny
@@ -31,7 +38,16 @@ def get_config(variant: str = "cpu"):
     c.eval_every = 20
     c.log_every = 10
   elif variant == "cpu":
-    pass  # config_lib.base() is this variant
+    c.data.atomic_repeat = 8
+    c.train.update(
+      num_steps=20_000,
+      lr=4e-3,
+      warmup_steps=500,
+      schedule="cosine",
+      supervise="atomic_every",
+    )
+    c.checkpoint.every = 2000
+    c.eval_every = 500
   elif variant == "paper":
     c.data.update(
       num_entities=2000,
@@ -59,6 +75,13 @@ def get_config(variant: str = "cpu"):
   return c
 
 
-def sweep():
-  """Vanilla (R = 1) vs looped (R = 2, 4): the same block, data and optimizer."""
-  return [{"model.num_loops": r} for r in (1, 2, 4)]
+def sweep(name: str = "loops"):
+  """`loops`: vanilla (R = 1) vs looped (R = 2, 4), the same block, data and
+  optimizer. `seeds`: the default model on three knowledge graphs."""
+  sweeps = {
+    "loops": [{"model.num_loops": r} for r in (1, 2, 4)],
+    "seeds": [{"data.seed": s} for s in (0, 1, 2)],
+  }
+  if name not in sweeps:
+    raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")
+  return sweeps[name]

@@ -1,10 +1,11 @@
 """Runs an experiment's sweep locally: one workdir per point, named by its overrides.
 
   python launch/sweep.py --config=experiments/sysgen.py[:variant] --root=runs/sweep \
-      [--parallel=2] [--dry-run] [-- extra loopjax.main flags]
+      [--sweep=NAME] [--parallel=2] [--dry-run] [-- extra loopjax.main flags]
 
-`sweep()` in the experiment file returns a list of {field: value} overrides; run
-k of it trains in `<root>/<field=value,...>`. With --parallel=N, N runs go at
+`sweep(name)` in the experiment file returns a list of {field: value} overrides
+(`--sweep` picks which of the file's sweeps; default its first); run k of it
+trains in `<root>/<field=value,...>`. With --parallel=N, N runs go at
 once, run i pinned to core i % N (on 2 cores two pinned runs finish a sweep ~1.36x
 sooner than one run after another: docs/performance.md). A rerun resumes or skips
 finished runs, since each run resumes from its own workdir.
@@ -19,23 +20,28 @@ import sys
 from pathlib import Path
 
 
-def load_sweep(config_arg: str) -> list[dict]:
+def load_sweep(config_arg: str, name: str | None = None) -> list[dict]:
   path = config_arg.split(":", 1)[0]
   spec = importlib.util.spec_from_file_location("experiment", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, "sweep"):
     sys.exit(f"error: {path} defines no sweep()")
-  return module.sweep()
+  try:
+    return module.sweep() if name is None else module.sweep(name)
+  except ValueError as e:
+    sys.exit(f"error: --sweep: {e}")
 
 
 def run_name(overrides: dict) -> str:
   return ",".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items())
 
 
-def commands(config_arg: str, root: Path, extra: list[str]) -> list[tuple[str, list]]:
+def commands(
+  config_arg: str, root: Path, extra: list[str], name: str | None = None
+) -> list[tuple[str, list]]:
   out = []
-  for overrides in load_sweep(config_arg):
+  for overrides in load_sweep(config_arg, name):
     name = run_name(overrides)
     cmd = [
       sys.executable,
@@ -54,11 +60,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", required=True)
   p.add_argument("--root", required=True, type=Path)
+  p.add_argument("--sweep", default=None, help="which sweep of the file")
   p.add_argument("--parallel", type=int, default=1)
   p.add_argument("--dry-run", action="store_true")
   args, extra = p.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
-  runs = commands(args.config, args.root, extra)
+  runs = commands(args.config, args.root, extra, args.sweep)
   if args.dry_run:
     for _, cmd in runs:
       print(shlex.join(cmd))

@@ -3,9 +3,11 @@
 `--mode=report --workdir=DIR`: if DIR is a run, `DIR/plots/accuracy.png` holds
 its accuracy per probe split against step (log axis) with the grokking phase
 transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
-`DIR/plots/sweep.png` overlays the runs, one panel per split.
+`DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
+tabulates, per run, steps and wall time to each phase and the final accuracies.
 """
 
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +16,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from loopjax.analysis import grokking  # noqa: E402
-from loopjax.metrics import read_jsonl  # noqa: E402
+from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
 
 SPLITS = (
   "train_inferred",
@@ -58,14 +60,67 @@ def plot_sweep(root: Path, runs: list[Path]) -> Path:
   return _save(fig, root / "plots" / "sweep.png")
 
 
+FINAL = (
+  "train_inferred/acc",
+  "test_inferred_id/acc",
+  "test_inferred_ood/acc",
+  "test_inferred_ood/acc_given_atomic",
+)
+
+
+def results_row(workdir: Path) -> dict:
+  """Steps/s, (step, wall seconds) of each phase, and the last eval's accuracies."""
+  records = read_jsonl(workdir / "metrics.jsonl")
+  walls = wall_times(records)
+  rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
+  evals = [r for r in records if "eval/train_inferred/acc" in r]
+  phases = grokking.load(workdir)
+  return {
+    "run": workdir.name,
+    "steps": max((r["step"] for r in records), default=0),
+    "wall_s": max(walls.values(), default=None),
+    "steps_per_s": statistics.median(rates) if rates else None,
+    "phases": {p: (s, walls.get(s)) for p, s in phases.items()},
+    "final": {k: evals[-1].get(f"eval/{k}") for k in FINAL} if evals else {},
+  }
+
+
+def results_table(rows: list[dict]) -> str:
+  """Markdown: one line per run (phase cells: step / wall time)."""
+  head = ["run", "steps", "wall", "steps/s", *grokking.PHASES, *FINAL]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [r["run"], str(r["steps"]), _dur(r["wall_s"]), _num(r["steps_per_s"], 0)]
+    for p in grokking.PHASES:
+      step, wall = r["phases"].get(p, (None, None))
+      cells.append("not reached" if step is None else f"{step} / {_dur(wall)}")
+    cells += [_num(r["final"].get(k), 3) for k in FINAL]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _dur(seconds) -> str:
+  if seconds is None:
+    return "-"
+  return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _num(x, digits: int) -> str:
+  return "-" if x is None else f"{x:.{digits}f}"
+
+
 def report(path: Path) -> list[Path]:
-  """Writes the figures for a run or a sweep root; returns their paths."""
+  """Writes the figures and results.md for a run or a sweep root; returns paths."""
   if (path / "metrics.jsonl").exists():
-    return [plot_run(path)]
-  runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
-  if not runs:
-    raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
-  return [plot_run(r) for r in runs] + [plot_sweep(path, runs)]
+    runs, figures = [path], [plot_run(path)]
+  else:
+    runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
+    if not runs:
+      raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
+    figures = [plot_run(r) for r in runs] + [plot_sweep(path, runs)]
+  table = path / "results.md"
+  table.write_text(results_table([results_row(r) for r in runs]))
+  return [*figures, table]
 
 
 def _style(ax, title: str) -> None:

@@ -205,6 +205,7 @@ def train_and_evaluate(config, workdir) -> dict:
     mngr.close()
     return {}
   writer = metrics.Writer(workdir)
+  writer.start(start)
   failure = None
   try:
     with _Preemption() as preempt:

@@ -10,8 +10,9 @@ from loopjax import report
 def fake_run(workdir, ood_final):
   workdir.mkdir(parents=True)
   with open(workdir / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 0, "time": 0.0, "event": "start"}) + "\n")
     for step in (100, 1000, 10000):
-      f.write(json.dumps({"step": step, "train/loss": 1.0}) + "\n")
+      f.write(json.dumps({"step": step, "time": step / 100, "train/loss": 1.0}) + "\n")
       acc = {s: min(1.0, step / 1000) for s in report.SPLITS}
       acc["test_inferred_ood"] = ood_final * step / 10000
       f.write(
@@ -24,16 +25,35 @@ def test_run_curves_and_plot(tmp_path):
   fake_run(tmp_path / "r", 0.5)
   steps, acc = report.curves(tmp_path / "r")["test_inferred_ood"]
   assert steps == [100, 1000, 10000] and acc == [0.005, 0.05, 0.5]
-  [png] = report.report(tmp_path / "r")
+  png, table = report.report(tmp_path / "r")
   assert png == tmp_path / "r/plots/accuracy.png" and png.read_bytes()[:4] == b"\x89PNG"
+  row = table.read_text().splitlines()[2]
+  # memorize and id at step 1000 = 10 s in; ood never; the last eval's accuracies
+  assert row.startswith("| r | 10000 | 1.7 min | - | 1000 / 10 s | 1000 / 10 s |")
+  assert row.endswith("| not reached | 1.000 | 1.000 | 0.500 | - |")
 
 
 def test_sweep_root_gets_every_run_and_an_overlay(tmp_path):
   for r, ood in ((1, 0.0), (2, 0.9)):
     fake_run(tmp_path / f"num_loops={r}", ood)
   paths = report.report(tmp_path)
-  assert paths[-1] == tmp_path / "plots/sweep.png" and len(paths) == 3
-  assert all(p.stat().st_size > 1000 for p in paths)
+  assert paths[-2:] == [tmp_path / "plots/sweep.png", tmp_path / "results.md"]
+  assert len(paths) == 4 and all(p.stat().st_size > 1000 for p in paths[:3])
+  lines = paths[-1].read_text().splitlines()
+  assert [x.split(" | ")[0] for x in lines[2:]] == ["| num_loops=1", "| num_loops=2"]
+
+
+def test_wall_times_add_up_resumed_segments():
+  from loopjax.metrics import wall_times
+
+  records = [
+    {"step": 0, "time": 100.0, "event": "start"},
+    {"step": 50, "time": 110.0},
+    {"step": 100, "time": 120.0},  # killed after this; resumed from step 50
+    {"step": 50, "time": 500.0, "event": "start"},
+    {"step": 100, "time": 505.0},
+  ]
+  assert wall_times(records) == {50: 10.0, 100: 25.0}
 
 
 def test_nothing_to_report(tmp_path):

@@ -19,9 +19,26 @@ def test_dry_run_lists_one_command_per_sweep_point(tmp_path, capsys):
     assert line.endswith(f"--config.model.num_loops={r}")
 
 
+def test_named_sweep_and_unknown_name(tmp_path, capsys):
+  args = ["--config=experiments/sysgen.py", f"--root={tmp_path}", "--dry-run"]
+  assert sweep.main([*args, "--sweep=seeds"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert [line.rsplit(" ", 1)[1] for line in lines] == [
+    f"--config.data.seed={s}" for s in (0, 1, 2)
+  ]
+  try:
+    sweep.main([*args, "--sweep=nope"])
+  except SystemExit as e:
+    assert "--sweep: " in str(e.code) and "loops" in str(e.code)
+  else:
+    raise AssertionError("an unknown sweep name must exit")
+
+
 def test_parallel_sweep_trains_every_point(tiny_config, tmp_path, monkeypatch):
   monkeypatch.setattr(
-    sweep, "load_sweep", lambda _: [{"model.num_loops": 1}, {"model.num_loops": 2}]
+    sweep,
+    "load_sweep",
+    lambda *_: [{"model.num_loops": 1}, {"model.num_loops": 2}],
   )
   rc = sweep.main(
     [
