@@ -77,10 +77,11 @@ def get_config(variant: str = "cpu"):
 
 def sweep(name: str = "loops"):
   """`loops`: vanilla (R = 1) vs looped (R = 2, 4), the same block, data and
-  optimizer. `seeds`: the default model on three knowledge graphs."""
+  optimizer. `seeds`: the default model on three more knowledge graphs (the
+  default graph is data.seed 0)."""
   sweeps = {
     "loops": [{"model.num_loops": r} for r in (1, 2, 4)],
-    "seeds": [{"data.seed": s} for s in (0, 1, 2)],
+    "seeds": [{"data.seed": s} for s in (1, 2, 3)],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

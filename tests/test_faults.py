@@ -283,3 +283,49 @@ def test_sigkill_during_async_writes_resumes_from_complete_checkpoint(
 @pytest.mark.slow
 def test_sigkill_many_trials(straight, tmp_path):
   _kill_trials(straight, tmp_path, trials=20, seed=1)
+
+
+@pytest.mark.parametrize(
+  "where,flag,message",
+  [
+    ("workdir", "--workdir={f}/run", "--workdir={f}/run: cannot write there"),
+    (
+      "data_dir",
+      "--config.data.data_dir={f}/data",
+      "data.data_dir: cannot prepare the dataset in '{f}/data'",
+    ),
+    (
+      "json source",
+      "--config.data.source=grokked_json:{f}/missing",
+      "{f}/missing/vocab.json: cannot read (Not a directory)",
+    ),
+  ],
+  ids=["workdir", "data_dir", "json_source"],
+)
+def test_unusable_paths_fail_in_one_line(tmp_path, where, flag, message):
+  del where  # the test id
+  blocker = tmp_path / "a_file"  # a path under a regular file: not creatable,
+  blocker.write_text("")  # even for root (CI containers often run as root)
+  args = [
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.data.data_dir={tmp_path / 'data'}",
+    flag.format(f=blocker),
+  ]
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "loopjax.main",
+      "--config=experiments/sysgen.py:tiny",
+      *args,
+    ],
+    capture_output=True,
+    text=True,
+    env=ENV,
+    timeout=300,
+  )
+  lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+  assert proc.returncode == 2 and lines, proc.stderr[-2000:]
+  assert lines[0].startswith("error: " + message.format(f=blocker)), lines
+  assert "Traceback" not in proc.stderr
+  assert not (tmp_path / "run").exists()  # nothing created

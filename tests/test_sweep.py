@@ -24,7 +24,7 @@ def test_named_sweep_and_unknown_name(tmp_path, capsys):
   assert sweep.main([*args, "--sweep=seeds"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert [line.rsplit(" ", 1)[1] for line in lines] == [
-    f"--config.data.seed={s}" for s in (0, 1, 2)
+    f"--config.data.seed={s}" for s in (1, 2, 3)
   ]
   try:
     sweep.main([*args, "--sweep=nope"])

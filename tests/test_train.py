@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -26,6 +27,14 @@ def losses(workdir):
     r["step"]: r["train/loss"]
     for r in metrics.read_jsonl(workdir / "metrics.jsonl")
     if "train/loss" in r
+  }
+
+
+def evals(workdir):
+  return {
+    r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")}
+    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
+    if "eval/id_atomic/acc" in r
   }
 
 
@@ -110,7 +119,8 @@ def _wait_for_step(workdir, step, proc, timeout=120):
 def test_killed_run_resumes(tiny_config, tmp_path, sig):
   """SIGTERM saves and exits 0; SIGKILL loses at most the steps since a save.
 
-  Either way rerunning the command finishes with the uninterrupted run's losses.
+  Either way rerunning the command finishes with the uninterrupted run's losses
+  and evaluations. The kill comes at a random step (seeded, so reproducible).
   """
   workdir, data_dir = tmp_path / "run", tiny_config.data.data_dir
   env = os.environ | {"JAX_PLATFORMS": "cpu"}
@@ -121,7 +131,7 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
     text=True,
     env=env,
   )
-  _wait_for_step(workdir, 50, proc)
+  _wait_for_step(workdir, random.Random(int(sig)).randrange(20, 300), proc)
   proc.send_signal(sig)
   out, _ = proc.communicate(timeout=120)
   if sig == signal.SIGTERM:
@@ -135,6 +145,7 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   train.train_and_evaluate(tiny_config, tmp_path / "straight")
   resumed, straight = losses(workdir), losses(tmp_path / "straight")
   assert straight == resumed  # SIGKILL: steps after the last save are logged twice
+  assert evals(workdir) == evals(tmp_path / "straight")
 
 
 def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_config):

@@ -90,6 +90,8 @@ def _items(path: Path, kind=dict):
     text = path.read_text()
   except FileNotFoundError:
     raise ConfigError(f"{path}: missing file") from None
+  except OSError as e:  # a directory, a path under a file, no permission
+    raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
 
   def fail(pos, message):
     line = text.count("\n", 0, pos) + 1
