@@ -1,7 +1,9 @@
 """Train-step benchmark shapes (python -m loopjax.bench; see docs/performance.md).
 
-Sizes: `default` is the `cpu` variant of sysgen.py (the default experiment);
-`d128` and `d256` bracket it; `paper` is LTG's model, for accelerators (bf16).
+Sizes: `default` is the `cpu` variant of sysgen.py (the default experiment)
+with the papers' loss on the last iteration, which the PyTorch reference also
+computes; `d128` and `d256` bracket it; `paper` is LTG's model, for
+accelerators (bf16).
 
   python -m loopjax.bench step --config=experiments/bench.py --torch
   python -m loopjax.bench scaling --config=experiments/bench.py
@@ -12,6 +14,7 @@ from experiments import sysgen
 
 def get_config(size: str = "default"):
   c = sysgen.get_config("cpu")
+  c.train.supervise = "last"  # as torch_ref.py; atomic_every adds R readouts
   c.size = size
   c.bench = dict(warmup=20, steps=50, repeats=5)
   if size == "default":

@@ -22,6 +22,7 @@ ENUMS = {
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),
   "train.supervise": ("last", "from_hops", "atomic_every"),
+  "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
 }
 
 # Fields that may change when a run resumes: how long and how often, not what.
@@ -93,7 +94,7 @@ def base() -> ml_collections.ConfigDict:
     init_std=0.02,
     tie_embeddings=True,
     remat="none",
-    scan_unroll=4,  # iterations unrolled per scan step (see recurrence.py)
+    scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
   )
 
@@ -108,7 +109,11 @@ def base() -> ml_collections.ConfigDict:
     b2=0.98,
     grad_clip=1.0,
     label_smoothing=0.0,
-    supervise="last",  # iterations with a loss: "last" or "from_hops" (train.py)
+    supervise="last",  # iterations with a loss (train.supervised)
+    # Iterations per batch: "fixed" = model.num_loops; else sampled per batch,
+    # clipped to [min, max] (recurrence.sample_depth); evals use model.num_loops.
+    depth=dict(dist="fixed", mean=4.0, min=2, max=8, sigma=0.5),
+    backprop_depth=0,  # > 0: backprop through the last k iterations only
   )
 
   # Grokking phase thresholds (loopjax/analysis/grokking.py): accuracy on
@@ -201,6 +206,25 @@ def validate(c: ml_collections.ConfigDict) -> None:
   for f in ("train.b1", "train.b2", "train.label_smoothing"):
     if not 0.0 <= _get(c, f) < 1.0:
       raise ConfigError(f"{f}: must be in [0, 1); got {_get(c, f)!r}")
+  dd = t.depth
+  if dd.dist != "fixed":
+    if not 1 <= dd.min <= dd.max:
+      raise ConfigError(
+        f"train.depth.min: must be >= 1 and <= train.depth.max ({dd.max}); got {dd.min}"
+      )
+    if not (math.isfinite(dd.mean) and dd.mean > 0):
+      raise ConfigError(f"train.depth.mean: must be > 0; got {dd.mean!r}")
+    if not (math.isfinite(dd.sigma) and dd.sigma >= 0):
+      raise ConfigError(f"train.depth.sigma: must be >= 0; got {dd.sigma!r}")
+    if t.supervise != "last":
+      raise ConfigError(
+        f"train.supervise: must be 'last' with a sampled train.depth; "
+        f"got {t.supervise!r}"
+      )
+  if t.backprop_depth < 0:
+    raise ConfigError(
+      f"train.backprop_depth: must be >= 0 (0: all iterations); got {t.backprop_depth}"
+    )
   if any(int(r) < 1 for r in c.eval.depths):
     raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
 

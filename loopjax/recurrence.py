@@ -1,10 +1,10 @@
 """How the shared core is iterated: the functional core of recurrent depth.
 
 `unroll` runs a fixed number of iterations with `lax.scan`, so the compiled
-program holds one group of iterations whatever R is. The scan's body is a pure
-function of the carried state; a later sampled-depth regime masks the same body
-(`jnp.where(r < depth, step(h), h)` over a scan to R_max) instead of compiling
-once per R.
+program holds one group of iterations whatever R is. A sampled depth is a
+traced scalar: the scan runs to R_max and masks the iterations past it
+(`jnp.where(r < depth, step(h), h)`), so no value of it recompiles.
+`sample_depth` draws it per batch (Poisson, or Huginn's log-normal Poisson).
 """
 
 from collections.abc import Callable
@@ -32,11 +32,16 @@ def unroll(
   remat: str = "none",
   scan_unroll: int = 1,
   readout: Callable | None = None,
+  depth=None,
+  grad_depth: int = 0,
 ):
-  """Applies `step` `num_loops` times.
+  """Applies `step` `num_loops` times, or `depth` (a traced int, <= num_loops).
 
   Returns the final state and, if `readout` is given, `readout(h_r)` after
-  every iteration stacked on a leading axis of size `num_loops` (else None).
+  every iteration stacked on a leading axis of size `num_loops` (else None);
+  past `depth` the state stays put, so its readouts repeat the last one.
+  `grad_depth` > 0 truncates backprop: gradients flow through the last
+  `grad_depth` applied iterations only (the state entering them is a constant).
 
   The scan steps over groups of `group_size(num_loops, scan_unroll)` iterations
   unrolled in its body. On CPU a short unrolled loop trains ~25% faster than a
@@ -46,22 +51,48 @@ def unroll(
   backward pass keeps one carried state per group, not per iteration.
   """
   k = group_size(num_loops, scan_unroll)
+  stop_at = (
+    None if grad_depth <= 0 else (num_loops if depth is None else depth) - grad_depth
+  )
 
-  def group(h, _):
+  def one(h, r):
+    if stop_at is not None:  # the state entering the last grad_depth iterations
+      h = jnp.where(r == stop_at, jax.lax.stop_gradient(h), h)
+    return step(h) if depth is None else jnp.where(r < depth, step(h), h)
+
+  def group(carry, _):
+    h, r = carry
     ys = []
-    for _ in range(k):
-      h = step(h)
+    for i in range(k):
+      h = one(h, r + i)
       if readout is not None:
         ys.append(readout(h))
-    return h, (jax.tree.map(lambda *y: jnp.stack(y), *ys) if ys else None)
+    return (h, r + k), (jax.tree.map(lambda *y: jnp.stack(y), *ys) if ys else None)
 
   if remat != "none":
     group = jax.checkpoint(group, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  r0 = jnp.zeros((), jnp.int32)
   if k == num_loops:  # one group: no loop at all
-    h, ys = group(h, None)
+    (h, _), ys = group((h, r0), None)
     ys = jax.tree.map(lambda y: y[None], ys)
   else:
-    h, ys = jax.lax.scan(group, h, None, length=num_loops // k)
+    (h, _), ys = jax.lax.scan(group, (h, r0), None, length=num_loops // k)
   if ys is not None:
     ys = jax.tree.map(lambda y: y.reshape(num_loops, *y.shape[2:]), ys)
   return h, ys
+
+
+def sample_depth(key, dist: str, mean: float, lo: int, hi: int, sigma: float = 0.5):
+  """A depth for one batch, clipped to [lo, hi], as a traced int32 scalar.
+
+  "poisson": Poisson(mean). "lognormal_poisson" (Huginn, Geiping et al. 2025):
+  tau ~ Normal(log(mean) - sigma^2 / 2, sigma), depth = Poisson(e^tau) + 1, a
+  heavy-tailed draw whose mean is about mean + 1.
+  """
+  if dist == "poisson":
+    d = jax.random.poisson(key, mean)
+  else:
+    k_tau, k_r = jax.random.split(key)
+    tau = jnp.log(mean) - sigma**2 / 2 + sigma * jax.random.normal(k_tau)
+    d = jax.random.poisson(k_r, jnp.exp(tau)) + 1
+  return jnp.clip(d, lo, hi).astype(jnp.int32)

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from loopjax import checkpoint, data, evaluate, metrics
+from loopjax import checkpoint, data, evaluate, metrics, recurrence
 from loopjax.analysis import grokking
 from loopjax.config import ConfigError, conflicts, first_line, to_json
 from loopjax.data import pipeline
@@ -55,20 +55,37 @@ def supervised(mode: str, R: int, hops_B):
 def make_train_step(graphdef, tx, model_cfg, train_cfg):
   """The jitted step; `train_cfg.supervise` picks the supervised iterations."""
   label_smoothing = train_cfg.label_smoothing
-  R = model_cfg.num_loops
+  R, dd = model_cfg.num_loops, train_cfg.depth
+  grad_depth = train_cfg.backprop_depth
 
   @partial(jax.jit, donate_argnums=0)
   def train_step(state, batch):
     key = jax.random.fold_in(state["rng"], state["step"])
+    if dd.dist == "fixed":
+      depth, loops = None, R
+    else:  # scan to dd.max, mask past the sampled depth: one compiled program
+      depth = recurrence.sample_depth(
+        jax.random.fold_in(key, 1), dd.dist, dd.mean, dd.min, dd.max, dd.sigma
+      )
+      loops = dd.max
+
+    def run(params, **kw):
+      model = nnx.merge(graphdef, cast(params, model_cfg.dtype))
+      return model(
+        batch["inputs"],
+        batch["answer_pos"],
+        key=key,
+        num_loops=loops,
+        depth=depth,
+        grad_depth=grad_depth,
+        **kw,
+      )
 
     def loss_fn(params):
-      model = nnx.merge(graphdef, cast(params, model_cfg.dtype))
       if train_cfg.supervise == "last":
-        logits_BV = model(batch["inputs"], batch["answer_pos"], key=key)
+        logits_BV = run(params)
         return answer_loss(logits_BV, batch["target"], label_smoothing)
-      logits_BV, logits_RBV = model(
-        batch["inputs"], batch["answer_pos"], per_iteration=True, key=key
-      )
+      logits_BV, logits_RBV = run(params, per_iteration=True)
       # The answer sits after h r1..rk at position k: k hops.
       on_RB = supervised(train_cfg.supervise, R, batch["answer_pos"])
       loss_RB = answer_xent(logits_RBV, batch["target"][None], label_smoothing)
@@ -87,7 +104,7 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
       "train/loss": loss,
       "train/acc": acc,
       "train/grad_norm": optax.tree.norm(grads),
-    }
+    } | ({} if depth is None else {"train/depth": depth})
 
   return train_step
 

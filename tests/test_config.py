@@ -25,7 +25,21 @@ BAD = [
   ("train.b2", 1.0, "train.b2: must be in [0, 1)"),
   ("eval.depths", (2, 0), "eval.depths: every depth must be >= 1"),
   ("model.init_state", "zeros", "model.init_state: must be 'embedding' when"),
+  ("train.backprop_depth", -1, "train.backprop_depth: must be >= 0"),
+  ("train.supervise", "all", "train.supervise: must be one of last, from_hops"),
 ]
+
+
+def test_sampled_depth_needs_a_valid_range_and_the_last_loss():
+  c = sysgen.get_config("cpu")
+  c.train.depth.update(dist="poisson", min=5, max=3)
+  with pytest.raises(config_lib.ConfigError, match=r"^train.depth.min: must be >= 1"):
+    config_lib.validate(c)
+  c.train.depth.update(min=2, max=8)
+  with pytest.raises(config_lib.ConfigError, match=r"^train.supervise: must be 'last'"):
+    config_lib.validate(c)  # cpu uses atomic_every
+  c.train.supervise = "last"
+  config_lib.validate(c)
 
 
 @pytest.mark.parametrize("variant", ["tiny", "cpu", "paper"])

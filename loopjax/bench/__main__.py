@@ -8,16 +8,21 @@
 measured matmul peak, compile time, XLA's memory estimate), and with --torch the
 same model and optimizer in PyTorch eager, with the speed ratio. `scaling`:
 compile and step time, and memory with and without remat, across depths R.
-`data`: generation time of a config's dataset (in memory).
+`data`: generation time of a config's dataset (in memory). `depth`: a sampled
+depth (scan to R_max with masks: one program) against fixed R, which is also
+what a cache of one compiled program per depth would run.
 """
 
 import copy
 import json
 import time
 
+import jax
+import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from loopjax import recurrence
 from loopjax.bench import measure, steps
 from loopjax.data import kg, tfds_kg
 
@@ -85,6 +90,40 @@ def bench_scaling(config) -> dict:
   return {"size": config.get("size"), "rows": rows}
 
 
+def bench_depth(config) -> dict:
+  """Masked sampled depth vs fixed R, per-depth compile cache, truncated backprop."""
+  dd = dict(dist="poisson", mean=4.0, min=2, max=8, sigma=0.5)
+  keys = jax.random.split(jax.random.key(0), 10_000)
+  draws = np.asarray(
+    jax.vmap(lambda k: recurrence.sample_depth(k, *list(dd.values())[:4]))(keys)
+  )
+  p = {d: float((draws == d).mean()) for d in range(dd["min"], dd["max"] + 1)}
+  rows = []
+  print(f"{'regime':34}{'compile s':>11}{'step ms':>9}")
+
+  def row(name, compile_s, step_s):
+    rows.append({"regime": name, "compile_s": compile_s, "step_s": step_s})
+    print(f"{name:34}{compile_s:11.2f}{step_s * 1e3:9.2f}")
+    return rows[-1]
+
+  def run(name, model=None, train=None):
+    c = copy.deepcopy(config)
+    c.model.update(model or {})
+    c.train.update(train or {})
+    r = steps.jax_step(c)
+    return row(name, r["compile_s"], r["step_s"])
+
+  fixed = {d: run(f"fixed R={d}", model={"num_loops": d}) for d in p}
+  row(
+    "cache: one program per depth",
+    sum(fixed[d]["compile_s"] for d in p),
+    sum(p[d] * fixed[d]["step_s"] for d in p),  # expected over sampled depths
+  )
+  run("masked: Poisson(4) in [2, 8]", train={"depth": dd})
+  run("masked + backprop last 2", train={"depth": dd, "backprop_depth": 2})
+  return {"size": config.get("size"), "depth": dd, "p_depth": p, "rows": rows}
+
+
 def bench_data(config) -> dict:
   params = {k: config.data[k] for k in tfds_kg.PARAMS}
   t = time.perf_counter()
@@ -96,7 +135,12 @@ def bench_data(config) -> dict:
   return {"params": params, "examples": n, "seconds": seconds}
 
 
-BENCHMARKS = {"step": bench_step, "scaling": bench_scaling, "data": bench_data}
+BENCHMARKS = {
+  "step": bench_step,
+  "scaling": bench_scaling,
+  "data": bench_data,
+  "depth": bench_depth,
+}
 
 
 def main(argv):

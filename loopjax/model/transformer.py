@@ -93,7 +93,10 @@ class LoopedTransformer(nnx.Module):
     num_loops: int | None = None,
     per_iteration: bool = False,
     key=None,
+    depth=None,
+    grad_depth: int = 0,
   ):
+    """Answer logits (B, V); see `recurrence.unroll` for depth and grad_depth."""
     x_BTD = self.embed_tokens(tokens_BT)
     for block in self.prelude:
       x_BTD = block(x_BTD)
@@ -105,6 +108,8 @@ class LoopedTransformer(nnx.Module):
       remat=self.cfg.remat,
       scan_unroll=self.cfg.scan_unroll,
       readout=(lambda h: self.readout(h, answer_pos_B)) if per_iteration else None,
+      depth=depth,
+      grad_depth=grad_depth,
     )
     logits_BV = self.readout(h_BTD, answer_pos_B)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
