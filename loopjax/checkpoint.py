@@ -84,7 +84,7 @@ def _digest(tree):
     return jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)
 
   floats = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-  finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+  finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats] or [True]))
   return jax.tree.map(leaf, tree), finite
 
 

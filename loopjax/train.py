@@ -312,8 +312,9 @@ def _loop(run: _Run, state, start: int):
           step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
         )
       if step % config.eval_every == 0 or done:
-        last |= run.evaluator.run(state["params"])
-        writer.write(step, {k: v for k, v in last.items() if k.startswith("eval/")})
+        ev = run.evaluator.run(state["params"])  # replaces every older eval value:
+        last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
+        writer.write(step, ev)  # a metric this eval lacks must not be logged stale
         new = grokking.newly_reached(last, config.phases, phases)
         if new:
           phases.update(dict.fromkeys(new, step))
