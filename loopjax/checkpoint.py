@@ -127,7 +127,11 @@ def _writing():
 
 
 def restore(
-  mngr: ocp.CheckpointManager, abstract_state, data_iter=None, step: int | None = None
+  mngr: ocp.CheckpointManager,
+  abstract_state,
+  data_iter=None,
+  step: int | None = None,
+  quarantine: bool = True,
 ):
   """Restores `step` (default: the newest good one) -> (state, step).
 
@@ -137,6 +141,7 @@ def restore(
   raises if `step` was asked for. Otherwise older ones are tried, and the bad
   newer ones are moved aside once an older one restores; if none restores,
   nothing is moved and NoGoodCheckpoint says why (e.g. a changed model).
+  `quarantine=False` (evaluation, which may run beside a trainer) moves nothing.
   """
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   failed = []
@@ -151,15 +156,15 @@ def restore(
       out = mngr.restore(s, args=ocp.args.Composite(**items))
       if has_meta:
         verify(out.state, out.meta["checksums"], s)
+      if data_iter is not None:
+        data_iter.set_state(out.data)
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try older
       if step is not None:
         raise
       failed.append((s, first_line(e)))
       continue
-    for bad, why in failed:
+    for bad, why in failed if quarantine else ():
       _quarantine(mngr, bad, why)
-    if data_iter is not None:
-      data_iter.set_state(out.data)
     return out.state, s
   if failed:
     raise NoGoodCheckpoint(

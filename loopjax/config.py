@@ -27,6 +27,8 @@ ENUMS = {
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
+  "model.scan_unroll",  # how the loop is compiled, not what it computes
+  "model.remat",
   "train.num_steps",
   "eval_every",
   "log_every",
@@ -221,6 +223,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"train.supervise: must be 'last' with a sampled train.depth; "
         f"got {t.supervise!r}"
       )
+  for f in ("seed", "data.seed"):
+    if _get(c, f) < 0:
+      raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")
+  if t.backprop_depth > 0 and m.injection == "none":
+    raise ConfigError(
+      "train.backprop_depth: needs model.injection add or concat (else the "
+      "embeddings get no gradient through the core); got injection 'none'"
+    )
   if t.backprop_depth < 0:
     raise ConfigError(
       f"train.backprop_depth: must be >= 0 (0: all iterations); got {t.backprop_depth}"

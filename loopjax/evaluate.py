@@ -124,7 +124,9 @@ def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   )
   graphdef, state = init_state(model, make_optimizer(config.train), config.seed)
   mngr = checkpoint.manager(workdir, config.checkpoint)
-  state, step = checkpoint.restore(mngr, checkpoint.abstract(state), step=step)
+  state, step = checkpoint.restore(
+    mngr, checkpoint.abstract(state), step=step, quarantine=False
+  )
   if state is None:
     raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
   depths = tuple(config.eval.depths) or (config.model.num_loops,)

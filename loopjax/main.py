@@ -7,7 +7,6 @@
 import json
 from pathlib import Path
 
-import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -40,10 +39,23 @@ def _load_config(workdir: Path):
   if FLAGS.config is not None:
     return FLAGS.config
   if FLAGS.mode == "eval" and (workdir / "config.json").exists():
-    return ml_collections.ConfigDict(json.loads((workdir / "config.json").read_text()))
+    # Over base(): fields added to loopjax after the run get their defaults.
+    saved = json.loads((workdir / "config.json").read_text())
+    c = config_lib.base()
+    c.unlock()
+    _merge(c, saved)
+    return c
   config_lib.exit_with(
     "--config is required (for --mode=eval, a workdir with config.json will do)"
   )
+
+
+def _merge(c, saved: dict) -> None:
+  for k, v in saved.items():
+    if isinstance(v, dict) and k in c and hasattr(c[k], "items"):
+      _merge(c[k], v)
+    else:
+      c[k] = tuple(v) if isinstance(v, list) else v
 
 
 def main(argv):

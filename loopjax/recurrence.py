@@ -56,8 +56,9 @@ def unroll(
   )
 
   def one(h, r):
-    if stop_at is not None:  # the state entering the last grad_depth iterations
-      h = jnp.where(r == stop_at, jax.lax.stop_gradient(h), h)
+    if stop_at is not None:  # the state entering the last grad_depth iterations;
+      cut = (r == stop_at) & (stop_at > 0)  # never h_0: all iterations then
+      h = jnp.where(cut, jax.lax.stop_gradient(h), h)
     return step(h) if depth is None else jnp.where(r < depth, step(h), h)
 
   def group(carry, _):

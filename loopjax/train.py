@@ -42,14 +42,14 @@ def supervised(mode: str, R: int, hops_B):
   the last: a fact must be retrievable at whatever iteration a composition
   needs it, not only at R (without it, OOD facts, never used as a first hop in
   training, resolve iterations later than ID ones; README, Results).
-  "from_hops": every iteration from the example's hop count on.
+  "from_hops": every iteration from the example's hop count on (and the last).
   """
   t_R1, hops_1B = jnp.arange(1, R + 1)[:, None], hops_B[None]
   if mode == "last":
     return jnp.broadcast_to(t_R1 == R, (R, hops_B.shape[0]))
   if mode == "atomic_every":
     return (t_R1 == R) | (hops_1B == 1)
-  return t_R1 >= hops_1B
+  return (t_R1 >= hops_1B) | (t_R1 == R)
 
 
 def make_train_step(graphdef, tx, model_cfg, train_cfg):
@@ -87,7 +87,7 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
         return answer_loss(logits_BV, batch["target"], label_smoothing)
       logits_BV, logits_RBV = run(params, per_iteration=True)
       # The answer sits after h r1..rk at position k: k hops.
-      on_RB = supervised(train_cfg.supervise, R, batch["answer_pos"])
+      on_RB = supervised(train_cfg.supervise, loops, batch["answer_pos"])
       loss_RB = answer_xent(logits_RBV, batch["target"][None], label_smoothing)
       loss = (loss_RB * on_RB).sum() / on_RB.sum()
       return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
@@ -222,9 +222,9 @@ def train_and_evaluate(config, workdir) -> dict:
     mngr.close()
     return {}
   writer = metrics.Writer(workdir)
-  writer.start(start)
   failure = None
   try:
+    writer.start(start)
     with _Preemption() as preempt:
       run = _Run(
         config,
@@ -248,6 +248,7 @@ def train_and_evaluate(config, workdir) -> dict:
     mngr.close()
     writer.close()
   if failure is not None:
+    mngr.reload()  # what is on disk, not orbax's in-memory list
     newest = mngr.latest_step()
     raise RunStopped(
       f"{first_line(failure)}; the run stopped. "

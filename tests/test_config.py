@@ -26,6 +26,8 @@ BAD = [
   ("eval.depths", (2, 0), "eval.depths: every depth must be >= 1"),
   ("model.init_state", "zeros", "model.init_state: must be 'embedding' when"),
   ("train.backprop_depth", -1, "train.backprop_depth: must be >= 0"),
+  ("train.backprop_depth", 2, "train.backprop_depth: needs model.injection add"),
+  ("data.seed", -1, "data.seed: must be >= 0"),
   ("train.supervise", "all", "train.supervise: must be one of last, from_hops"),
 ]
 

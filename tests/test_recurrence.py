@@ -61,6 +61,14 @@ def test_truncated_backprop_counts_only_the_last_k_iterations(masked, k):
   np.testing.assert_allclose(jax.grad(final)(w0), k * w0 ** (d - 1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("k,expected", [(2, 0.0), (5, 1.3**5), (9, 1.3**5)])
+def test_truncation_reaches_the_input_only_when_k_covers_every_iteration(k, expected):
+  def final(h0):
+    return recurrence.unroll(lambda h: 1.3 * h, h0, 5, grad_depth=k)[0]
+
+  np.testing.assert_allclose(jax.grad(final)(1.0), expected, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dist", ["poisson", "lognormal_poisson"])
 def test_sampled_depths_follow_their_distribution(dist):
   keys = jax.random.split(jax.random.key(0), 4000)
@@ -86,6 +94,7 @@ def test_dynamic_depth_training_step(tiny_config):
 
   tiny_config.train.depth.update(dist="poisson", mean=3.0, min=1, max=6)
   tiny_config.train.backprop_depth = 2
+  tiny_config.model.injection = "add"
   task = data.load(tiny_config.data)
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)

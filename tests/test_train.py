@@ -232,3 +232,20 @@ def test_train_step_loss_is_mean_over_supervised_iterations(tiny_config, mode):
   step = train.make_train_step(graphdef, tx, tiny_config.model, tiny_config.train)
   _, out = step(jax.tree.map(lambda x: x.copy(), state), batch)
   np.testing.assert_allclose(out["train/loss"], xent_RB[on_RB].mean(), rtol=1e-5)
+
+
+def test_eval_mode_reads_an_older_runs_config(tiny_config, tmp_path):
+  """A config.json written before fields were added still evaluates (no --config)."""
+  train.train_and_evaluate(tiny_config, tmp_path)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  del saved["train"]["depth"], saved["train"]["supervise"]  # fields added later
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  proc = subprocess.run(
+    [sys.executable, "-m", "loopjax.main", "--mode=eval", f"--workdir={tmp_path}"],
+    capture_output=True,
+    text=True,
+    env=os.environ | {"JAX_PLATFORMS": "cpu"},
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert json.loads((tmp_path / "eval/step_60.json").read_text())["step"] == 60
