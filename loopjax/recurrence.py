@@ -70,8 +70,10 @@ def unroll(
         ys.append(readout(h))
     return (h, r + k), (jax.tree.map(lambda *y: jnp.stack(y), *ys) if ys else None)
 
-  if remat != "none":
-    group = jax.checkpoint(group, policy=REMAT_POLICIES[remat], prevent_cse=False)
+  if remat != "none":  # CSE is harmless inside a scan, but would undo remat outside
+    group = jax.checkpoint(
+      group, policy=REMAT_POLICIES[remat], prevent_cse=k == num_loops
+    )
   r0 = jnp.zeros((), jnp.int32)
   if k == num_loops:  # one group: no loop at all
     (h, _), ys = group((h, r0), None)
