@@ -10,7 +10,8 @@ same model and optimizer in PyTorch eager, with the speed ratio. `scaling`:
 compile and step time, and memory with and without remat, across depths R.
 `data`: generation time of a config's dataset (in memory). `depth`: a sampled
 depth (scan to R_max with masks: one program) against fixed R, which is also
-what a cache of one compiled program per depth would run.
+what a cache of one compiled program per depth would run. `halting`: inference
+with adaptive halting's `while_loop` against the fixed scan at equal iterations.
 """
 
 import copy
@@ -124,6 +125,41 @@ def bench_depth(config) -> dict:
   return {"size": config.get("size"), "depth": dd, "p_depth": p, "rows": rows}
 
 
+def bench_halting(config) -> dict:
+  """Forward pass to R = 16: lax.scan vs halting's while_loop (criterion fixed,
+  so both run 16 iterations) and the KL+entropy rule, which may stop early."""
+  from flax import nnx
+
+  from loopjax import halting
+  from loopjax.state import build_model
+
+  R, V = 16, steps.vocab_size(config)
+  model = build_model(config.model, V, steps.SEQ_LEN, config.seed)
+  graphdef, params = nnx.split(model)
+  b = measure.random_batch(config, V, steps.SEQ_LEN)
+  tokens, pos = jax.device_put(b["inputs"]), jax.device_put(b["answer_pos"])
+  programs = {
+    "scan, R=16": lambda p: nnx.merge(graphdef, p)(tokens, pos, num_loops=R),
+    "while_loop, R=16 (fixed)": lambda p: halting.adaptive(
+      nnx.merge(graphdef, p), tokens, pos, criterion="fixed", r_max=R
+    )[0],
+    "while_loop, kl_entropy": lambda p: halting.adaptive(
+      nnx.merge(graphdef, p), tokens, pos, r_max=R
+    )[0],
+  }
+  rows = []
+  print(f"{'program':28}{'ms':>9}")
+  for name, fn in programs.items():
+    f = jax.jit(fn)
+    run = lambda f=f: f(params).block_until_ready()  # noqa: E731
+    ms = 1e3 * measure.timed(run, warmup=3, steps=20, repeats=5)
+    rows.append({"program": name, "ms": ms})
+    print(f"{name:28}{ms:9.2f}")
+  ratio = rows[1]["ms"] / rows[0]["ms"]
+  print(f"while_loop / scan at 16 iterations: {ratio:.3f}")
+  return {"size": config.get("size"), "rows": rows, "while_over_scan": ratio}
+
+
 def bench_data(config) -> dict:
   params = {k: config.data[k] for k in tfds_kg.PARAMS}
   t = time.perf_counter()
@@ -140,6 +176,7 @@ BENCHMARKS = {
   "scaling": bench_scaling,
   "data": bench_data,
   "depth": bench_depth,
+  "halting": bench_halting,
 }
 
 

@@ -1,0 +1,112 @@
+"""Adaptive halting at inference: iterate the core until each example's answer settles.
+
+`adaptive` runs the shared core in a `lax.while_loop` (one compiled program for
+any number of iterations). After iteration t, example i halts when t >= r_min
+and its criterion holds; a halted example's state and answer stop changing, and
+the loop ends when every example has halted or at r_max. Criteria (p_t: the
+answer distribution after iteration t, h_t: the state):
+
+  kl_entropy  KL(p_t || p_{t-1}) < eps and H(p_t) < tau (LTG's rule)
+  kl          KL(p_t || p_{t-1}) < eps
+  kl_reverse  KL(p_{t-1} || p_t) < eps
+  entropy     H(p_t) < tau
+  latent      ||h_t - h_{t-1}|| / ||h_{t-1}|| < eps
+  argmax      argmax p_t unchanged for `patience` iterations
+  fixed       never: r_max iterations
+"""
+
+import jax
+import jax.numpy as jnp
+
+CRITERIA = ("kl_entropy", "kl", "kl_reverse", "entropy", "latent", "argmax", "fixed")
+
+
+def adaptive(
+  model,
+  tokens_BT,
+  answer_pos_B,
+  *,
+  criterion: str = "kl_entropy",
+  r_min: int = 1,
+  r_max: int = 16,
+  eps: float = 1e-3,
+  tau: float = 3.0,
+  patience: int = 2,
+  unroll: int = 4,
+  key=None,
+):
+  """(log-probabilities (B, V) at each example's halting iteration, iterations (B,)).
+
+  The loop body runs `unroll` iterations (each still halts examples one by one),
+  so the loop's own cost is paid once per `unroll` iterations; at most
+  `unroll - 1` iterations are computed after the last example halts.
+  """
+  if criterion not in CRITERIA:
+    raise ValueError(
+      f"criterion: must be one of {', '.join(CRITERIA)}; got {criterion!r}"
+    )
+  x_BTD = model.embed_tokens(tokens_BT)
+  for block in model.prelude:
+    x_BTD = block(x_BTD)
+  h_BTD = model.initial_state(x_BTD, key)
+  logp_BV = jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
+  B = tokens_BT.shape[0]
+  init = (
+    jnp.zeros((), jnp.int32),  # t: iterations run
+    h_BTD,
+    logp_BV,
+    jnp.zeros(B, bool),  # halted
+    jnp.zeros(B, jnp.int32),  # iterations used
+    jnp.zeros(B, jnp.int32),  # argmax streak
+  )
+
+  def cond(carry):
+    t, _, _, halted, _, _ = carry
+    return (t < r_max) & ~halted.all()
+
+  def one(carry):
+    t, h, logp, halted, iters, streak = carry
+    h_new = model.core_step(h, x_BTD)
+    logp_new = jax.nn.log_softmax(model.readout(h_new, answer_pos_B))
+    running = t < r_max  # False for an unrolled iteration past r_max
+    t = t + running
+    streak = jnp.where(logp_new.argmax(-1) == logp.argmax(-1), streak + 1, 0)
+    settled = _settled(criterion, logp_new, logp, h_new, h, streak, eps, tau, patience)
+    active = ~halted & running
+    return (
+      t,
+      h_new,  # a halted example's state may move on: its answer is frozen below
+      jnp.where(active[:, None], logp_new, logp),
+      halted | (active & settled & (t >= r_min)),
+      jnp.where(active, t, iters),
+      streak,
+    )
+
+  def body(carry):
+    for _ in range(unroll):
+      carry = one(carry)
+    return carry
+
+  _, _, logp_BV, _, iters_B, _ = jax.lax.while_loop(cond, body, init)
+  return logp_BV, iters_B
+
+
+def _settled(criterion, logp, logp_prev, h, h_prev, streak, eps, tau, patience):
+  """Per example: whether `criterion` says its answer has settled."""
+  p = jnp.exp(logp)
+  kl = lambda a, log_a, log_b: (a * (log_a - log_b)).sum(-1)  # noqa: E731
+  if criterion == "kl_entropy":
+    entropy = -(p * logp).sum(-1)
+    return (kl(p, logp, logp_prev) < eps) & (entropy < tau)
+  if criterion == "kl":
+    return kl(p, logp, logp_prev) < eps
+  if criterion == "kl_reverse":
+    return kl(jnp.exp(logp_prev), logp_prev, logp) < eps
+  if criterion == "entropy":
+    return -(p * logp).sum(-1) < tau
+  if criterion == "latent":
+    change = jnp.linalg.norm((h - h_prev).reshape(h.shape[0], -1), axis=-1)
+    return change < eps * jnp.linalg.norm(h_prev.reshape(h.shape[0], -1), axis=-1)
+  if criterion == "argmax":
+    return streak >= patience
+  return jnp.zeros(logp.shape[0], bool)  # fixed

@@ -1,0 +1,104 @@
+"""Adaptive halting: each example stops where a step-by-step reference says."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loopjax import halting
+from loopjax.state import build_model
+
+R_MAX, R_MIN, B = 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def setup():
+  from experiments import sysgen
+
+  c = sysgen.get_config("tiny")
+  c.model.init_std = 0.5  # a random model whose answers move between iterations
+  model = build_model(c.model, 33, 3, 0)
+  tokens = jax.random.randint(jax.random.key(1), (B, 3), 0, 32)
+  pos = jnp.full(B, 2)
+  # Reference: the core applied step by step, outside any loop construct.
+  x = model.embed_tokens(tokens)
+  hs, logps = [model.initial_state(x, None)], []
+  logps.append(jax.nn.log_softmax(model.readout(hs[0], pos)))
+  for _ in range(R_MAX):
+    hs.append(model.core_step(hs[-1], x))
+    logps.append(jax.nn.log_softmax(model.readout(hs[-1], pos)))
+  return model, tokens, pos, np.stack(hs), np.stack(logps)
+
+
+def _signals(hs, logps):
+  """Per iteration t = 1..R_MAX and example: KL both ways, entropy, latent change,
+  argmax streak."""
+  p = np.exp(logps)
+  kl = (p[1:] * (logps[1:] - logps[:-1])).sum(-1)
+  kl_rev = (p[:-1] * (logps[:-1] - logps[1:])).sum(-1)
+  ent = -(p[1:] * logps[1:]).sum(-1)
+  flat = hs.reshape(hs.shape[0], hs.shape[1], -1)
+  latent = np.linalg.norm(flat[1:] - flat[:-1], axis=-1) / np.linalg.norm(
+    flat[:-1], axis=-1
+  )
+  same = logps[1:].argmax(-1) == logps[:-1].argmax(-1)
+  streak = np.zeros_like(same, int)
+  for t in range(len(same)):
+    streak[t] = np.where(same[t], (streak[t - 1] if t else 0) + 1, 0)
+  return kl, kl_rev, ent, latent, streak
+
+
+@pytest.mark.parametrize(
+  "criterion", ["kl_entropy", "kl", "kl_reverse", "entropy", "latent", "argmax"]
+)
+def test_halts_where_the_reference_says(setup, criterion):
+  model, tokens, pos, hs, logps = setup
+  kl, kl_rev, ent, latent, streak = _signals(hs, logps)
+  eps = {"kl": np.median(kl[R_MIN - 1 :]), "kl_reverse": np.median(kl_rev[R_MIN - 1 :])}
+  eps["kl_entropy"] = eps["kl"]
+  eps["latent"] = np.median(latent[R_MIN - 1 :])
+  tau = float(np.median(ent[R_MIN - 1 :]))
+  ok = {
+    "kl_entropy": (kl < eps["kl"]) & (ent < tau),
+    "kl": kl < eps["kl"],
+    "kl_reverse": kl_rev < eps["kl_reverse"],
+    "entropy": ent < tau,
+    "latent": latent < eps["latent"],
+    "argmax": streak >= 2,
+  }[criterion]
+  ok[: R_MIN - 1] = False
+  expected = np.where(ok.any(0), ok.argmax(0) + 1, R_MAX)
+  assert 1 < len(set(expected)) and (expected < R_MAX).any()  # a real mix
+  logp, iters = jax.jit(
+    lambda t, p: halting.adaptive(
+      model,
+      t,
+      p,
+      criterion=criterion,
+      r_min=R_MIN,
+      r_max=R_MAX,
+      eps=float(eps.get(criterion, 0.0)),
+      tau=tau,
+      patience=2,
+    )
+  )(tokens, pos)
+  iters = np.asarray(iters)
+  agree = iters == expected  # thresholds are medians: a float tie may flip one
+  assert agree.mean() >= 0.95, (iters, expected)
+  np.testing.assert_allclose(
+    np.asarray(logp)[agree], logps[iters[agree], np.flatnonzero(agree)], atol=1e-4
+  )
+
+
+def test_fixed_runs_r_max_like_the_model(setup):
+  model, tokens, pos, _, logps = setup
+  logp, iters = halting.adaptive(model, tokens, pos, criterion="fixed", r_max=R_MAX)
+  assert (np.asarray(iters) == R_MAX).all()
+  np.testing.assert_allclose(logp, logps[R_MAX], atol=1e-4)
+  direct = jax.nn.log_softmax(model(tokens, pos, num_loops=R_MAX))
+  np.testing.assert_allclose(logp, direct, atol=1e-4)
+
+
+def test_unknown_criterion():
+  with pytest.raises(ValueError, match="criterion: must be one of"):
+    halting.adaptive(None, jnp.zeros((1, 3), int), jnp.zeros(1, int), criterion="x")
