@@ -324,3 +324,55 @@ def test_hops_are_the_atomic_facts_of_each_inferred_fact(data):
   split = data.splits["test_inferred_ood"]
   for hop in kg.hops(split, data.vocab.pad_id):
     assert [facts[tuple(r)] for r in hop["inputs"].tolist()] == hop["target"].tolist()
+
+
+def test_chains_answers_bridges_and_splits():
+  from loopjax.data import kg
+
+  args = dict(
+    num_entities=30, num_relations=4, max_hops=5, train_per_hop=200, test_per_hop=40
+  )
+  data = kg.chains(**args, seed=0)
+  again = kg.chains(**args, seed=0)
+  assert kg.fingerprint(data) == kg.fingerprint(again)  # deterministic
+  assert kg.fingerprint(data) != kg.fingerprint(kg.chains(**args, seed=1))
+  E, pad = 30, data.vocab.pad_id
+  atomic = data.splits["atomic"]
+  assert len(atomic["target"]) == 30 * 4
+  # Each relation is a bijection: the atomic facts define tail(r, h).
+  tail = {}
+  for (h, r, *_), t in zip(atomic["inputs"], atomic["target"], strict=True):
+    tail[(r - E, h)] = t
+  for r in range(4):
+    assert sorted(tail[(r, h)] for h in range(E)) == list(range(E))
+  for k in range(2, 6):
+    tr, te = data.splits[f"train_k{k}"], data.splits[f"test_k{k}"]
+    assert len(tr["target"]) == 200 and len(te["target"]) == 40
+    rows = {tuple(x) for x in tr["inputs"]} | {tuple(x) for x in te["inputs"]}
+    assert len(rows) == 240  # unique chains, train and test disjoint
+    for split in (tr, te):
+      for x, t, b in zip(
+        split["inputs"], split["target"], split["bridges"], strict=True
+      ):
+        assert (x[k + 1 :] == pad).all() and (x[1 : k + 1] >= E).all()
+        e, walk = x[0], []
+        for r in x[1 : k + 1]:
+          e = tail[(r - E, e)]
+          walk.append(e)
+        assert t == walk[-1] and list(b[: k - 1]) == walk[:-1]
+        assert (b[k - 1 :] == -1).all()
+
+
+def test_chains_too_many_asked():
+  from loopjax.config import ConfigError
+  from loopjax.data import kg
+
+  with pytest.raises(ConfigError, match="2-hop chains number 48"):
+    kg.chains(
+      num_entities=3,
+      num_relations=4,
+      max_hops=2,
+      train_per_hop=40,
+      test_per_hop=9,
+      seed=0,
+    )

@@ -167,3 +167,74 @@ def fingerprint(data: TaskData) -> str:
       h.update(f"|{name}/{key}:{a.dtype.str}:{a.shape}|".encode())
       h.update(a.tobytes())
   return h.hexdigest()
+
+
+def chains(
+  *,
+  num_entities: int,
+  num_relations: int,
+  max_hops: int,
+  train_per_hop: int,
+  test_per_hop: int,
+  seed: int,
+) -> TaskData:
+  """k-hop chains (LTG's depth extrapolation) as int arrays, the same for the same
+  arguments.
+
+  Every relation is a random permutation of the entities, so each hop is a
+  bijection and every (h, r1..rk) has exactly one answer. Splits: "atomic" (all
+  E x R facts, in training) and, per k = 2..max_hops, unique chains split into
+  "train_k<k>" and "test_k<k>" (disjoint). "inputs" (N, max_hops + 1): [h, r1..rk,
+  pad...], the answer read at the last real token (position k); "bridges"
+  (N, max_hops - 1): the intermediate entities b_1..b_{k-1}, -1 after them.
+  """
+  E, R, K = num_entities, num_relations, max_hops
+  vocab = Vocab(E, R)
+  rng = np.random.default_rng(seed)
+  tail_RE = np.argsort(rng.random((R, E)), axis=1)  # tail_RE[r, h]: r(h)
+  h_A, r_A = np.divmod(np.arange(E * R), R)
+  splits = {"atomic": _chain_examples(h_A, r_A[:, None], tail_RE, K, vocab)}
+  for k in range(2, K + 1):
+    n = train_per_hop + test_per_hop
+    if n > E * R**k:  # Python ints: no overflow for long chains
+      raise ConfigError(
+        f"data.train_per_hop: {k}-hop chains number {E * R**k}; "
+        f"{n} train + test asked for"
+      )
+    h_N, rels_NK = _unique_walks(rng, E, R, k, n)
+    ex = _chain_examples(h_N, rels_NK, tail_RE, K, vocab)
+    splits[f"train_k{k}"] = {name: a[:train_per_hop] for name, a in ex.items()}
+    splits[f"test_k{k}"] = {name: a[train_per_hop:] for name, a in ex.items()}
+  return TaskData(vocab, splits)
+
+
+def _unique_walks(rng, E: int, R: int, k: int, n: int):
+  """n distinct (h, r1..rk), uniformly at random, as (h_N, rels_Nk)."""
+  rows = np.zeros((0, k + 1), np.int64)
+  while len(rows) < n:
+    m = 2 * (n - len(rows)) + 16
+    more = np.concatenate(
+      [rng.integers(0, E, (m, 1)), rng.integers(0, R, (m, k))], axis=1
+    )
+    rows = np.concatenate([rows, more])
+    _, first = np.unique(rows, axis=0, return_index=True)
+    rows = rows[np.sort(first)]  # first occurrences in draw order: deterministic
+  return rows[:n, 0], rows[:n, 1:]
+
+
+def _chain_examples(h_N, rels_Nk, tail_RE, K: int, vocab: Vocab) -> Split:
+  N, k = rels_Nk.shape
+  walk = [h_N]
+  for j in range(k):
+    walk.append(tail_RE[rels_Nk[:, j], walk[-1]])
+  inputs = np.full((N, K + 1), vocab.pad_id)
+  inputs[:, 0] = h_N
+  inputs[:, 1 : k + 1] = vocab.num_entities + rels_Nk
+  bridges = np.full((N, max(K - 1, 0)), -1)
+  if k > 1:
+    bridges[:, : k - 1] = np.stack(walk[1:k], 1)
+  return {
+    "inputs": inputs.astype(np.int32),
+    "target": walk[-1].astype(np.int32),
+    "bridges": bridges.astype(np.int32),
+  }
