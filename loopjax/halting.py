@@ -45,10 +45,7 @@ def adaptive(
     raise ValueError(
       f"criterion: must be one of {', '.join(CRITERIA)}; got {criterion!r}"
     )
-  x_BTD = model.embed_tokens(tokens_BT)
-  for block in model.prelude:
-    x_BTD = block(x_BTD)
-  h_BTD = model.initial_state(x_BTD, key)
+  x_BTD, h_BTD = model.encode(tokens_BT, key)
   logp_BV = jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
   B = tokens_BT.shape[0]
   init = (

@@ -43,19 +43,11 @@ def _load_config(workdir: Path):
     saved = json.loads((workdir / "config.json").read_text())
     c = config_lib.base()
     c.unlock()
-    _merge(c, saved)
+    c.update(saved)  # recursive; JSON lists become the fields' tuples
     return c
   config_lib.exit_with(
     "--config is required (for --mode=eval, a workdir with config.json will do)"
   )
-
-
-def _merge(c, saved: dict) -> None:
-  for k, v in saved.items():
-    if isinstance(v, dict) and k in c and hasattr(c[k], "items"):
-      _merge(c[k], v)
-    else:
-      c[k] = tuple(v) if isinstance(v, list) else v
 
 
 def main(argv):

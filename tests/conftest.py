@@ -1,6 +1,8 @@
 """Shared fixtures: tiny configs and a CPU with 8 devices for sharding tests."""
 
 import os
+import subprocess
+import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -18,3 +20,42 @@ def tiny_config(tmp_path):
   c = sysgen.get_config("tiny")
   c.data.data_dir = str(tmp_path / "data")
   return c
+
+
+def losses(workdir):
+  """{step: train/loss} from a run's metrics.jsonl (a re-logged step: the last)."""
+  from loopjax import metrics
+
+  return {
+    r["step"]: r["train/loss"]
+    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
+    if "train/loss" in r
+  }
+
+
+def steps_on_disk(workdir):
+  """The complete checkpoints' steps, sorted."""
+  return sorted(
+    int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()
+  )
+
+
+def cli(workdir, data_dir, *extra):
+  """The command line of a tiny run in `workdir`."""
+  return [
+    sys.executable,
+    "-m",
+    "loopjax.main",
+    "--config=experiments/sysgen.py:tiny",
+    f"--workdir={workdir}",
+    f"--config.data.data_dir={data_dir}",
+    *extra,
+  ]
+
+
+CPU_ENV = os.environ | {"JAX_PLATFORMS": "cpu"}  # for loopjax subprocesses
+
+
+def run(cmd):
+  """Runs a command to completion on the CPU backend; output captured as text."""
+  return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)

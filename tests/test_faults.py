@@ -5,49 +5,20 @@ lost and the run resumes from the newest good checkpoint.
 """
 
 import json
-import os
 import random
 import re
 import shutil
 import subprocess
-import sys
 import time
 
 import jax
 import numpy as np
 import pytest
+from conftest import CPU_ENV, cli, losses, run, steps_on_disk
 
 from loopjax import checkpoint, metrics, train
 from loopjax.config import ConfigError
 from loopjax.state import build_model, init_state, make_optimizer
-
-ENV = os.environ | {"JAX_PLATFORMS": "cpu"}
-
-
-def losses(workdir):
-  return {
-    r["step"]: r["train/loss"]
-    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
-    if "train/loss" in r
-  }
-
-
-def steps_on_disk(workdir):
-  return sorted(
-    int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()
-  )
-
-
-def cli(workdir, data_dir, *extra):
-  return [
-    sys.executable,
-    "-m",
-    "loopjax.main",
-    "--config=experiments/sysgen.py:tiny",
-    f"--workdir={workdir}",
-    f"--config.data.data_dir={data_dir}",
-    *extra,
-  ]
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +126,7 @@ def test_checksum_detects_one_changed_word():
 def test_diverging_run_stops_and_keeps_its_good_checkpoints(tmp_path, straight):
   config, done = straight
   workdir = tmp_path / "run"
-  proc = subprocess.run(
+  proc = run(
     cli(
       workdir,
       config.data.data_dir,
@@ -164,10 +135,6 @@ def test_diverging_run_stops_and_keeps_its_good_checkpoints(tmp_path, straight):
       "--config.checkpoint.every=1",
       "--config.checkpoint.keep=100",
     ),
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
   (last,) = [x for x in proc.stderr.splitlines() if "error: step" in x]
@@ -218,26 +185,18 @@ def test_full_disk_stops_cleanly_and_the_run_resumes(straight, tmp_path):
   for s in (80, 100, 120):
     shutil.rmtree(workdir / "checkpoints" / str(s))
   _keep_records_to(workdir, 60)
-  proc = subprocess.run(  # checkpoint data files are ~130 kB
+  proc = run(  # checkpoint data files are ~130 kB
     _file_size_limit(
       20, cli(workdir, config.data.data_dir, "--config.train.num_steps=120")
     ),
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
   # orbax also logs the failed write from its thread; loopjax's line sums it up.
   (line,) = [x for x in proc.stderr.splitlines() if "error: a checkpoint write" in x]
   assert "File too large" in line and "newest: step 60" in line, line
   assert steps_on_disk(workdir) == [20, 40, 60]
-  rerun = subprocess.run(
+  rerun = run(
     cli(workdir, config.data.data_dir, "--config.train.num_steps=120"),
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
   )
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert "at step 60" in rerun.stdout
@@ -255,7 +214,7 @@ def _kill_trials(straight, tmp_path, trials, seed):
       cli(workdir, config.data.data_dir, *args),
       stdout=subprocess.DEVNULL,
       stderr=subprocess.DEVNULL,
-      env=ENV,
+      env=CPU_ENV,
     )
     # Wait until training is under way, then kill at a random moment.
     deadline = time.time() + 120
@@ -266,22 +225,14 @@ def _kill_trials(straight, tmp_path, trials, seed):
     proc.kill()
     proc.wait()
     complete = steps_on_disk(workdir)
-    resumed = subprocess.run(
+    resumed = run(
       cli(workdir, config.data.data_dir, *args, "--config.train.num_steps=1"),
-      capture_output=True,
-      text=True,
-      env=ENV,
-      timeout=300,
     )  # num_steps=1 < saved step: restores (and verifies) the newest, trains nothing
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "damaged" not in resumed.stdout, resumed.stdout
     assert steps_on_disk(workdir) == complete
-  final = subprocess.run(
+  final = run(
     cli(workdir, config.data.data_dir, *args),
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
   )
   assert final.returncode == 0, final.stderr[-2000:]
   assert "damaged" not in final.stdout
@@ -300,44 +251,25 @@ def test_sigkill_many_trials(straight, tmp_path):
 
 
 @pytest.mark.parametrize(
-  "where,flag,message",
+  "flag,message",
   [
-    ("workdir", "--workdir={f}/run", "--workdir={f}/run: cannot write there"),
+    ("--workdir={f}/run", "--workdir={f}/run: cannot write there"),
     (
-      "data_dir",
       "--config.data.data_dir={f}/data",
       "data.data_dir: cannot prepare the dataset in '{f}/data'",
     ),
     (
-      "json source",
       "--config.data.source=grokked_json:{f}/missing",
       "{f}/missing/vocab.json: cannot read (Not a directory)",
     ),
   ],
   ids=["workdir", "data_dir", "json_source"],
 )
-def test_unusable_paths_fail_in_one_line(tmp_path, where, flag, message):
-  del where  # the test id
+def test_unusable_paths_fail_in_one_line(tmp_path, flag, message):
   blocker = tmp_path / "a_file"  # a path under a regular file: not creatable,
   blocker.write_text("")  # even for root (CI containers often run as root)
-  args = [
-    f"--workdir={tmp_path / 'run'}",
-    f"--config.data.data_dir={tmp_path / 'data'}",
-    flag.format(f=blocker),
-  ]
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "loopjax.main",
-      "--config=experiments/sysgen.py:tiny",
-      *args,
-    ],
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=300,
-  )
+  # The flag comes last: it wins over cli's own --workdir / data_dir.
+  proc = run(cli(tmp_path / "run", tmp_path / "data", flag.format(f=blocker)))
   lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
   assert proc.returncode == 2 and lines, proc.stderr[-2000:]
   assert lines[0].startswith("error: " + message.format(f=blocker)), lines

@@ -21,8 +21,8 @@ def setup():
   tokens = jax.random.randint(jax.random.key(1), (B, 3), 0, 32)
   pos = jnp.full(B, 2)
   # Reference: the core applied step by step, outside any loop construct.
-  x = model.embed_tokens(tokens)
-  hs, logps = [model.initial_state(x, None)], []
+  x, h0 = model.encode(tokens)
+  hs, logps = [h0], []
   logps.append(jax.nn.log_softmax(model.readout(hs[0], pos)))
   for _ in range(R_MAX):
     hs.append(model.core_step(hs[-1], x))

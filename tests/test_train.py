@@ -1,7 +1,6 @@
 """Training end to end on the tiny config: learning, resume, preemption, workdirs."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -9,6 +8,7 @@ import sys
 import time
 
 import pytest
+from conftest import CPU_ENV, cli, losses, run, steps_on_disk
 
 from loopjax import evaluate, metrics, train
 from loopjax.config import ConfigError
@@ -20,14 +20,6 @@ SPLITS = (
   "test_inferred_id",
   "test_inferred_ood",
 )
-
-
-def losses(workdir):
-  return {
-    r["step"]: r["train/loss"]
-    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
-    if "train/loss" in r
-  }
 
 
 def evals(workdir):
@@ -46,9 +38,7 @@ def test_tiny_run_learns_and_writes_outputs(tiny_config, tmp_path):
   assert {f"eval/{s}/acc" for s in SPLITS} <= set(last)
   assert 0 <= last["eval/test_inferred_ood/atomic_known"] <= 1
   assert last["eval/id_atomic/acc"] > 0.2  # chance: 1/24 entities
-  assert sorted(
-    int(p.name) for p in (tmp_path / "run/checkpoints").iterdir() if p.name.isdigit()
-  ) == [80, 100, 120]  # keep=3
+  assert steps_on_disk(tmp_path / "run") == [80, 100, 120]  # keep=3
   assert any((tmp_path / "run/tb").iterdir())
   saved = json.loads((tmp_path / "run/config.json").read_text())
   assert saved["model"]["num_loops"] == tiny_config.model.num_loops
@@ -91,17 +81,7 @@ def test_eval_mode_reads_checkpoint_at_several_depths(tiny_config, tmp_path):
   assert (tmp_path / "eval/step_60.json").exists()
 
 
-def _cli(workdir, data_dir, *extra):
-  return [
-    sys.executable,
-    "-m",
-    "loopjax.main",
-    "--config=experiments/sysgen.py:tiny",
-    f"--workdir={workdir}",
-    f"--config.data.data_dir={data_dir}",
-    "--config.train.num_steps=400",
-    *extra,
-  ]
+STEPS = ("--config.train.num_steps=400",)
 
 
 def _wait_for_step(workdir, step, proc, timeout=120):
@@ -123,22 +103,19 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   and evaluations. The kill comes at a random step (seeded, so reproducible).
   """
   workdir, data_dir = tmp_path / "run", tiny_config.data.data_dir
-  env = os.environ | {"JAX_PLATFORMS": "cpu"}
   proc = subprocess.Popen(
-    _cli(workdir, data_dir),
+    cli(workdir, data_dir, *STEPS),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
-    env=env,
+    env=CPU_ENV,
   )
   _wait_for_step(workdir, random.Random(int(sig)).randrange(20, 300), proc)
   proc.send_signal(sig)
   out, _ = proc.communicate(timeout=120)
   if sig == signal.SIGTERM:
     assert proc.returncode == 0 and "rerun the same command to resume" in out, out
-  rerun = subprocess.run(
-    _cli(workdir, data_dir), capture_output=True, text=True, env=env, timeout=300
-  )
+  rerun = run(cli(workdir, data_dir, *STEPS))
   assert rerun.returncode == 0, rerun.stderr
   assert "resumed from" in rerun.stdout
   tiny_config.train.num_steps = 400
@@ -183,7 +160,7 @@ def test_phases_are_recorded_and_their_checkpoints_kept(tiny_config, tmp_path):
     if v is not None
   }
   assert phases["id"] == 20 and "ood" not in phases
-  kept = {int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()}
+  kept = set(steps_on_disk(tmp_path))
   assert kept == {60} | set(phases.values())  # keep=1, plus every phase's step
 
 
@@ -240,12 +217,8 @@ def test_eval_mode_reads_an_older_runs_config(tiny_config, tmp_path):
   saved = json.loads((tmp_path / "config.json").read_text())
   del saved["train"]["depth"], saved["train"]["supervise"]  # fields added later
   (tmp_path / "config.json").write_text(json.dumps(saved))
-  proc = subprocess.run(
-    [sys.executable, "-m", "loopjax.main", "--mode=eval", f"--workdir={tmp_path}"],
-    capture_output=True,
-    text=True,
-    env=os.environ | {"JAX_PLATFORMS": "cpu"},
-    timeout=300,
+  proc = run(
+    [sys.executable, "-m", "loopjax.main", "--mode=eval", f"--workdir={tmp_path}"]
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert json.loads((tmp_path / "eval/step_60.json").read_text())["step"] == 60

@@ -65,6 +65,13 @@ class LoopedTransformer(nnx.Module):
       return jnp.zeros_like(x_BTD)
     return jax.random.normal(key, x_BTD.shape, x_BTD.dtype)  # Huginn-style
 
+  def encode(self, tokens_BT, key=None):
+    """(x_BTD, h_BTD): the input the core sees each iteration, and its first state."""
+    x_BTD = self.embed_tokens(tokens_BT)
+    for block in self.prelude:
+      x_BTD = block(x_BTD)
+    return x_BTD, self.initial_state(x_BTD, key)
+
   def core_step(self, h_BTD, x_BTD):
     """One iteration of the shared core, with the input injected first."""
     if self.cfg.injection == "add":
@@ -97,10 +104,7 @@ class LoopedTransformer(nnx.Module):
     grad_depth: int = 0,
   ):
     """Answer logits (B, V); see `recurrence.unroll` for depth and grad_depth."""
-    x_BTD = self.embed_tokens(tokens_BT)
-    for block in self.prelude:
-      x_BTD = block(x_BTD)
-    h_BTD = self.initial_state(x_BTD, key)
+    x_BTD, h_BTD = self.encode(tokens_BT, key)
     h_BTD, logits_RBV = recurrence.unroll(
       lambda h: self.core_step(h, x_BTD),
       h_BTD,
