@@ -163,8 +163,11 @@ def restore(
         raise
       failed.append((s, first_line(e)))
       continue
-    for bad, why in failed if quarantine else ():
-      _quarantine(mngr, bad, why)
+    for bad, why in failed:
+      if quarantine:
+        _quarantine(mngr, bad, why)
+      else:
+        print(f"checkpoint {bad} is damaged ({why}); left in place")
     return out.state, s
   if failed:
     raise NoGoodCheckpoint(
