@@ -12,8 +12,8 @@ import sys
 import ml_collections
 
 ENUMS = {
-  "data.task": ("composition",),
-  "model.pos_encoding": ("learned", "sinusoidal", "none"),
+  "data.task": ("composition", "chains"),
+  "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
   "model.norm_position": ("pre", "sandwich", "post"),
   "model.norm_type": ("layernorm", "rmsnorm"),
@@ -24,6 +24,18 @@ ENUMS = {
   "train.supervise": ("last", "from_hops", "atomic_every"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
 }
+
+# Adaptive-halting rules (halting.py) and the analyses `--mode=analyze` runs.
+HALTING_CRITERIA = (
+  "kl_entropy",
+  "kl",
+  "kl_reverse",
+  "entropy",
+  "latent",
+  "argmax",
+  "fixed",
+)
+ANALYSES = ("overthinking", "halting")
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -36,6 +48,7 @@ RESUMABLE = (
   "eval",
   "data.data_dir",
   "phases",
+  "analyze",
 )
 
 
@@ -66,16 +79,22 @@ def base() -> ml_collections.ConfigDict:
   c.seed = 0
 
   c.data = dict(
-    source="generate",  # or "grokked_json:DIR"
-    task="composition",
+    source="generate",  # or "grokked_json:DIR" (the papers' files for the task)
+    task="composition",  # or "chains" (k-hop, depth extrapolation)
     data_dir="~/loopjax_data",  # where TFDS datasets are prepared
     num_entities=50,
     num_relations=40,
+    # composition
     out_degree=20,
     ood_ratio=0.2,  # fraction of atomic facts that are OOD
     p_test_id=0.1,  # ID-ID inferred facts held out for test_inferred_id
     phi=12.0,  # inferred facts per ID atomic fact in the training set
     probe_size=300,  # examples per probe split (at most)
+    # chains: k = 2..max_hops generated, k <= train_hops trained on
+    max_hops=8,
+    train_hops=4,
+    train_per_hop=2000,
+    test_per_hop=200,
     atomic_repeat=1,  # copies of each atomic fact per epoch (1 = the paper)
     seed=0,
   )
@@ -116,12 +135,34 @@ def base() -> ml_collections.ConfigDict:
     # clipped to [min, max] (recurrence.sample_depth); evals use model.num_loops.
     depth=dict(dist="fixed", mean=4.0, min=2, max=8, sigma=0.5),
     backprop_depth=0,  # > 0: backprop through the last k iterations only
+    # chains: train on hops <= stage, from `start`; advance when test_k<stage>
+    # accuracy (at model.num_loops) >= threshold, up to data.train_hops. Per
+    # stage: optionally a fresh optimizer, and the lr times lr_decay.
+    curriculum=dict(
+      enabled=False, start=2, threshold=0.95, reset_optimizer=False, lr_decay=1.0
+    ),
   )
 
   # Grokking phase thresholds (loopjax/analysis/grokking.py): accuracy on
   # train_inferred, test_inferred_id and test_inferred_ood.
   c.phases = dict(memorize=0.99, id=0.9, ood=0.9)
   c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
+  # `--mode=analyze`: overthinking curves to max_depth iterations; the halting
+  # table over each criterion's thresholds (eps: KL / latent change, tau:
+  # entropy in nats, patience: argmax streak), up to r_max iterations.
+  c.analyze = dict(
+    names=ANALYSES,
+    max_depth=64,
+    halting=dict(
+      criteria=HALTING_CRITERIA,
+      r_min=1,
+      r_max=16,
+      eps=(1e-4, 1e-3, 1e-2, 1e-1),
+      tau=3.0,  # kl_entropy's entropy bound
+      tau_grid=(0.1, 0.3, 1.0, 3.0),  # entropy-only thresholds
+      patience=(1, 2, 4),
+    ),
+  )
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
   c.eval_every = 250
   c.log_every = 50
@@ -173,7 +214,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "eval_every",
     "log_every",
   )
-  if d.out_degree > d.num_relations:
+  if d.task == "chains":
+    _validate_chains(c)
+  elif c.train.curriculum.enabled:
+    raise ConfigError(
+      "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
+      "got task 'composition'"
+    )
+  if d.task == "composition" and d.out_degree > d.num_relations:
     raise ConfigError(
       f"data.out_degree: must be <= data.num_relations "
       f"({d.num_relations}); got {d.out_degree}"
@@ -235,8 +283,58 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
       f"train.backprop_depth: must be >= 0 (0: all iterations); got {t.backprop_depth}"
     )
+  a = c.analyze
+  for name in a.names:
+    if name not in ANALYSES:
+      raise ConfigError(
+        f"analyze.names: each must be one of {', '.join(ANALYSES)}; got {name!r}"
+      )
+  for name in a.halting.criteria:
+    if name not in HALTING_CRITERIA:
+      raise ConfigError(
+        f"analyze.halting.criteria: each must be one of "
+        f"{', '.join(HALTING_CRITERIA)}; got {name!r}"
+      )
+  _positive(c, "analyze.max_depth", "analyze.halting.r_min", "analyze.halting.r_max")
+  if a.halting.r_min > a.halting.r_max:
+    raise ConfigError(
+      f"analyze.halting.r_min: must be <= analyze.halting.r_max "
+      f"({a.halting.r_max}); got {a.halting.r_min}"
+    )
   if any(int(r) < 1 for r in c.eval.depths):
     raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
+
+
+def _validate_chains(c) -> None:
+  d, cur = c.data, c.train.curriculum
+  if d.max_hops < 2:
+    raise ConfigError(f"data.max_hops: must be >= 2; got {d.max_hops}")
+  if not 2 <= d.train_hops <= d.max_hops:
+    raise ConfigError(
+      f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
+    )
+  _positive(c, "data.train_per_hop")
+  if d.test_per_hop < 0:
+    raise ConfigError(f"data.test_per_hop: must be >= 0; got {d.test_per_hop}")
+  if cur.enabled:
+    if not 2 <= cur.start <= d.train_hops:
+      raise ConfigError(
+        f"train.curriculum.start: must be in [2, data.train_hops={d.train_hops}]; "
+        f"got {cur.start}"
+      )
+    if not 0 <= cur.threshold <= 1:
+      raise ConfigError(
+        f"train.curriculum.threshold: must be in [0, 1]; got {cur.threshold!r}"
+      )
+    if not 0 < cur.lr_decay <= 1:
+      raise ConfigError(
+        f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
+      )
+    if d.test_per_hop < 1:
+      raise ConfigError(
+        "data.test_per_hop: must be >= 1 with a curriculum (it advances on "
+        "held-out accuracy); got 0"
+      )
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

@@ -15,18 +15,16 @@ from flax import nnx
 from loopjax import checkpoint, data
 from loopjax.config import ConfigError
 from loopjax.data import kg, pipeline
-from loopjax.state import build_model, cast, init_state, make_optimizer
+from loopjax.state import cast, train_state
 
 
 class Evaluator:
-  """Evaluates params on all probe splits (every split but `train`)."""
+  """Evaluates params on the task's probe splits (`data.probes`)."""
 
   def __init__(self, graphdef, config, task, depths=()):
     self.R = config.model.num_loops
     self.depths = sorted({int(d) for d in depths} | {self.R})
-    self.probes = {  # empty splits (e.g. no OOD facts) have nothing to report
-      k: v for k, v in task.splits.items() if k != "train" and len(v["target"])
-    }
+    self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
     self.pad = task.vocab.pad_id
     self.batch_size = min(
       config.eval.batch_size,
@@ -112,25 +110,29 @@ class Evaluator:
     return out
 
 
+def restore_params(config, workdir: Path, step: int | None = None):
+  """(task data, graphdef, params, step) of a run's checkpoint (default: the
+  newest good one); reads only, never moves a checkpoint."""
+  task = data.load(config.data)
+  graphdef, state, _ = train_state(config, task)
+  mngr = checkpoint.manager(workdir, config.checkpoint)
+  try:
+    state, step = checkpoint.restore(
+      mngr, checkpoint.abstract(state), step=step, quarantine=False
+    )
+  finally:
+    mngr.close()
+  if state is None:
+    raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
+  return task, graphdef, state["params"], step
+
+
 def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """`--mode=eval`: restores a checkpoint, writes `eval/step_<N>.json`."""
   workdir = Path(workdir)
-  task = data.load(config.data)
-  model = build_model(
-    config.model,
-    task.vocab.vocab_size,
-    task.splits["train"]["inputs"].shape[1],
-    config.seed,
-  )
-  graphdef, state = init_state(model, make_optimizer(config.train), config.seed)
-  mngr = checkpoint.manager(workdir, config.checkpoint)
-  state, step = checkpoint.restore(
-    mngr, checkpoint.abstract(state), step=step, quarantine=False
-  )
-  if state is None:
-    raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
+  task, graphdef, params, step = restore_params(config, workdir, step)
   depths = tuple(config.eval.depths) or (config.model.num_loops,)
-  results, _ = Evaluator(graphdef, config, task, depths).per_depth(state["params"])
+  results, _ = Evaluator(graphdef, config, task, depths).per_depth(params)
   report = {
     "step": step,
     "depths": list(depths),

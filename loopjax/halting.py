@@ -18,7 +18,7 @@ answer distribution after iteration t, h_t: the state):
 import jax
 import jax.numpy as jnp
 
-CRITERIA = ("kl_entropy", "kl", "kl_reverse", "entropy", "latent", "argmax", "fixed")
+from loopjax.config import HALTING_CRITERIA as CRITERIA
 
 
 def adaptive(

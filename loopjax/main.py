@@ -1,7 +1,7 @@
 """Entry point: parses flags and hands over to training or evaluation.
 
   python -m loopjax.main --config=experiments/sysgen.py[:variant] --workdir=DIR \
-      [--config.model.num_loops=8 ...] [--mode=train|eval] [--step=N]
+      [--config.model.num_loops=8 ...] [--mode=train|eval|analyze|report] [--step=N]
 """
 
 import json
@@ -20,9 +20,14 @@ flags.DEFINE_string(
   "workdir", None, "Directory of the run (config, logs, checkpoints)."
 )
 flags.DEFINE_enum(
-  "mode", "train", ["train", "eval", "report"], "What to do with the workdir."
+  "mode",
+  "train",
+  ["train", "eval", "analyze", "report"],
+  "What to do with the workdir.",
 )
-flags.DEFINE_integer("step", None, "--mode=eval: checkpoint step (default: newest).")
+flags.DEFINE_integer(
+  "step", None, "--mode=eval/analyze: checkpoint step (default: newest)."
+)
 
 
 def _parse(argv):
@@ -38,7 +43,7 @@ def _parse(argv):
 def _load_config(workdir: Path):
   if FLAGS.config is not None:
     return FLAGS.config
-  if FLAGS.mode == "eval" and (workdir / "config.json").exists():
+  if FLAGS.mode in ("eval", "analyze") and (workdir / "config.json").exists():
     # Over base(): fields added to loopjax after the run get their defaults.
     saved = json.loads((workdir / "config.json").read_text())
     c = config_lib.base()
@@ -46,7 +51,8 @@ def _load_config(workdir: Path):
     c.update(saved)  # recursive; JSON lists become the fields' tuples
     return c
   config_lib.exit_with(
-    "--config is required (for --mode=eval, a workdir with config.json will do)"
+    "--config is required (for --mode=eval or analyze, a workdir with config.json "
+    "will do)"
   )
 
 
@@ -71,7 +77,7 @@ def main(argv):
     config_lib.validate(config)
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
-  from loopjax import evaluate, train  # after validation: nothing compiles first
+  from loopjax import analyze, evaluate, train  # after validation: nothing compiles
 
   try:
     if FLAGS.mode == "train":
@@ -80,9 +86,13 @@ def main(argv):
         f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "
         f"--mode=report; TensorBoard: tensorboard --logdir {workdir / 'tb'}"
       )
-    else:
+    elif FLAGS.mode == "eval":
       train.check_workdir(config, workdir)
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
+    else:
+      train.check_workdir(config, workdir)
+      paths = analyze.analyze(config, workdir, FLAGS.step)
+      print("wrote " + ", ".join(map(str, paths)))
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
   except train.RunStopped as e:

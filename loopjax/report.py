@@ -5,6 +5,8 @@ its accuracy per probe split against step (log axis) with the grokking phase
 transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
 `DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
 tabulates, per run, steps and wall time to each phase and the final accuracies.
+k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
+where the hop curriculum advanced.
 """
 
 import statistics
@@ -27,15 +29,27 @@ SPLITS = (
 )
 
 
+def _evals(records: list[dict]) -> list[dict]:
+  return [r for r in records if any(k.endswith("/acc") for k in r)]
+
+
+def splits(records: list[dict]) -> list[str]:
+  """The splits to plot: composition's probes, or chains' atomic and test_k<k>."""
+  evals = _evals(records)
+  keys = [k[5:-4] for k in evals[0] if k.startswith("eval/") and k.endswith("/acc")]
+  composition = [s for s in SPLITS if s in keys]
+  chains = sorted((k for k in keys if k.startswith("test_k")), key=lambda k: int(k[6:]))
+  return composition or (["atomic"] if "atomic" in keys else []) + chains
+
+
 def curves(workdir: Path) -> dict:
   """{split: (steps, accuracies)} at the training depth."""
-  records = [
-    r for r in read_jsonl(workdir / "metrics.jsonl") if "eval/train_inferred/acc" in r
-  ]
+  records = _evals(read_jsonl(workdir / "metrics.jsonl"))
+  if not records:
+    return {}
   return {
     s: ([r["step"] for r in records], [r[f"eval/{s}/acc"] for r in records])
-    for s in SPLITS
-    if records and f"eval/{s}/acc" in records[0]
+    for s in splits(records)
   }
 
 
@@ -51,8 +65,14 @@ def plot_run(workdir: Path) -> Path:
 
 
 def plot_sweep(root: Path, runs: list[Path]) -> Path:
+  """Composition: train_inferred, test_inferred_id/ood. Chains: the shortest,
+  a middle and the longest held-out chains."""
+  names = list(curves(runs[0]))
+  if names[0] not in SPLITS:
+    tests = [n for n in names if n.startswith("test_k")]
+    names = [tests[0], tests[len(tests) // 2], tests[-1]]
   fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
-  for ax, split in zip(axes, SPLITS[:3], strict=False):
+  for ax, split in zip(axes, names[:3], strict=False):
     for run in runs:
       steps, acc = curves(run).get(split, ([], []))
       ax.plot(steps, acc, label=run.name)
@@ -73,28 +93,38 @@ def results_row(workdir: Path) -> dict:
   records = read_jsonl(workdir / "metrics.jsonl")
   walls = wall_times(records)
   rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
-  evals = [r for r in records if "eval/train_inferred/acc" in r]
+  evals = _evals(records)
   phases = grokking.load(workdir)
+  final = FINAL if evals and "eval/train_inferred/acc" in evals[-1] else None
+  if final is None and evals:
+    final = tuple(f"{s}/acc" for s in splits(evals))
   return {
     "run": workdir.name,
     "steps": max((r["step"] for r in records), default=0),
     "wall_s": max(walls.values(), default=None),
     "steps_per_s": statistics.median(rates) if rates else None,
     "phases": {p: (s, walls.get(s)) for p, s in phases.items()},
-    "final": {k: evals[-1].get(f"eval/{k}") for k in FINAL} if evals else {},
+    "final": {k: evals[-1].get(f"eval/{k}") for k in final} if evals else {},
   }
 
 
 def results_table(rows: list[dict]) -> str:
-  """Markdown: one line per run (phase cells: step / wall time)."""
-  head = ["run", "steps", "wall", "steps/s", *grokking.PHASES, *FINAL]
+  """Markdown: one line per run (phase cells: step / wall time). Chains runs'
+  phases are the curriculum stages; their finals, each split's accuracy."""
+  final = list(dict.fromkeys(k for r in rows for k in r["final"]))
+  phases = list(grokking.PHASES) if any(k in FINAL for k in final) else []
+  phases += sorted(
+    {p for r in rows for p in r["phases"] if p not in grokking.PHASES},
+    key=lambda p: int(p.rpartition("_")[2]) if p[-1].isdigit() else 0,
+  )
+  head = ["run", "steps", "wall", "steps/s", *phases, *final]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for r in rows:
     cells = [r["run"], str(r["steps"]), _dur(r["wall_s"]), _num(r["steps_per_s"], 0)]
-    for p in grokking.PHASES:
+    for p in phases:
       step, wall = r["phases"].get(p, (None, None))
       cells.append("not reached" if step is None else f"{step} / {_dur(wall)}")
-    cells += [_num(r["final"].get(k), 3) for k in FINAL]
+    cells += [_num(r["final"].get(k), 3) for k in final]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
 

@@ -54,6 +54,19 @@ def init_state(model, tx, seed: int):
   return graphdef, state
 
 
+def train_state(config, task):
+  """(graphdef, initial train state, optimizer) for a config and its task data;
+  a curriculum run's state also holds its stage."""
+  model = build_model(
+    config.model, task.vocab.vocab_size, task.max_hops + 1, config.seed
+  )
+  tx = make_optimizer(config.train)
+  graphdef, state = init_state(model, tx, config.seed)
+  if config.train.curriculum.enabled:
+    state["stage"] = jnp.int32(config.train.curriculum.start)
+  return graphdef, state, tx
+
+
 def cast(params, dtype: str):
   """Compute-dtype copy of float32 master weights (gradients flow back)."""
   return (

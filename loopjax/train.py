@@ -24,14 +24,7 @@ from loopjax import checkpoint, data, evaluate, metrics, recurrence
 from loopjax.analysis import grokking
 from loopjax.config import ConfigError, conflicts, first_line, to_json
 from loopjax.data import pipeline
-from loopjax.state import (
-  answer_loss,
-  answer_xent,
-  build_model,
-  cast,
-  init_state,
-  make_optimizer,
-)
+from loopjax.state import answer_loss, answer_xent, cast, train_state
 
 
 def supervised(mode: str, R: int, hops_B):
@@ -57,6 +50,7 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
   label_smoothing = train_cfg.label_smoothing
   R, dd = model_cfg.num_loops, train_cfg.depth
   grad_depth = train_cfg.backprop_depth
+  cur = train_cfg.curriculum
 
   @partial(jax.jit, donate_argnums=0)
   def train_step(state, batch):
@@ -94,17 +88,23 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
 
     (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    new_state = {
+    extra = {}
+    if cur.enabled:  # the lr times lr_decay per stage passed
+      scale = jnp.float32(cur.lr_decay) ** (state["stage"] - cur.start)
+      updates = jax.tree.map(lambda u: u * scale, updates)
+      extra["train/stage"] = state["stage"]
+    if depth is not None:
+      extra["train/depth"] = depth
+    new_state = state | {
       "params": optax.apply_updates(state["params"], updates),
       "opt_state": opt_state,
       "step": state["step"] + 1,
-      "rng": state["rng"],
     }
     return new_state, {
       "train/loss": loss,
       "train/acc": acc,
       "train/grad_norm": optax.tree.norm(grads),
-    } | ({} if depth is None else {"train/depth": depth})
+    } | extra
 
   return train_step
 
@@ -188,6 +188,40 @@ class _Preemption:
     self.signal = signal.Signals(signum).name
 
 
+def _train_iterator(config, task):
+  """The pipeline over the training split; per curriculum stage, if enabled."""
+
+  def make(max_hops=config.data.train_hops):
+    return pipeline.train_iterator(
+      data.train_split(task, max_hops),
+      config.train.batch_size,
+      config.seed,
+      task.vocab.pad_id,
+      config.data.atomic_repeat,
+    )
+
+  cur = config.train.curriculum
+  return pipeline.StagedIterator(make, cur.start) if cur.enabled else make()
+
+
+def _advance(run, state, step: int, last: dict):
+  """Moves the curriculum on when the current stage's held-out chains are
+  answered well enough; returns the new state and whether it advanced."""
+  cur, it = run.config.train.curriculum, run.train_iter
+  if not (
+    cur.enabled
+    and it.stage < run.config.data.train_hops
+    and last.get(f"eval/test_k{it.stage}/acc", 0.0) >= cur.threshold
+  ):
+    return state, False
+  it.set_stage(it.stage + 1)
+  state = state | {"stage": jnp.int32(it.stage)}
+  if cur.reset_optimizer:
+    state["opt_state"] = run.tx.init(state["params"])
+  run.phases[f"stage_{it.stage}"] = step
+  return state, True
+
+
 def train_and_evaluate(config, workdir) -> dict:
   """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
   workdir = Path(workdir)
@@ -195,20 +229,10 @@ def train_and_evaluate(config, workdir) -> dict:
   task = data.load(config.data)  # bad data settings fail before the workdir exists
   _check_writable(workdir)
   record_run(config, workdir, task)
-  pad = task.vocab.pad_id
-  max_len = task.splits["train"]["inputs"].shape[1]
-  model = build_model(config.model, task.vocab.vocab_size, max_len, config.seed)
-  tx = make_optimizer(config.train)
-  graphdef, state = init_state(model, tx, config.seed)
+  graphdef, state, tx = train_state(config, task)
   train_step = make_train_step(graphdef, tx, config.model, config.train)
   evaluator = evaluate.Evaluator(graphdef, config, task)
-  train_iter = pipeline.train_iterator(
-    task.splits["train"],
-    config.train.batch_size,
-    config.seed,
-    pad,
-    config.data.atomic_repeat,
-  )
+  train_iter = _train_iterator(config, task)
 
   phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
   mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
@@ -230,6 +254,7 @@ def train_and_evaluate(config, workdir) -> dict:
         config,
         workdir,
         train_step,
+        tx,
         train_iter,
         evaluator,
         mngr,
@@ -258,7 +283,11 @@ def train_and_evaluate(config, workdir) -> dict:
         else "No checkpoint was saved."
       )
     ) from failure
-  print(f"phases: {grokking.summary(phases)}")
+  print(
+    f"phases: {grokking.summary(phases)}"
+    if config.data.task == "composition"
+    else f"curriculum: {stages_summary(phases, config)}"
+  )
   if preempt.signal is not None:
     print(
       f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
@@ -274,6 +303,7 @@ class _Run:
   config: object
   workdir: Path
   train_step: object
+  tx: object  # the optimizer, for a fresh state per curriculum stage
   train_iter: object
   evaluator: evaluate.Evaluator
   mngr: object
@@ -317,8 +347,14 @@ def _loop(run: _Run, state, start: int):
         last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
         writer.write(step, ev)  # a metric this eval lacks must not be logged stale
         new = grokking.newly_reached(last, config.phases, phases)
+        phases.update(dict.fromkeys(new, step))
+        # On the cadence only: where a run stops must not change its course.
+        advanced = False
+        if step % config.eval_every == 0:
+          state, advanced = _advance(run, state, step, last)
+        if advanced:
+          new.append(f"curriculum stage {run.train_iter.stage}")
         if new:
-          phases.update(dict.fromkeys(new, step))
           if jax.process_index() == 0:
             grokking.save(run.workdir, phases)
           bar.write(f"step {step}: reached {', '.join(new)}")
@@ -333,6 +369,23 @@ def _loop(run: _Run, state, start: int):
     if preempt.signal is not None and saved != step:
       checkpoint.save(mngr, step, state, train_iter)
     return step, last
+
+
+def stages_summary(phases: dict, config) -> str:
+  """When each curriculum stage began (chains runs)."""
+  cur = config.train.curriculum
+  if not cur.enabled:
+    return f"off (hops <= {config.data.train_hops} throughout)"
+  stages = range(cur.start + 1, config.data.train_hops + 1)
+  return (
+    ", ".join(
+      f"k={k} at step {phases[f'stage_{k}']}"
+      if f"stage_{k}" in phases
+      else f"k={k} not reached"
+      for k in stages
+    )
+    or f"one stage (k <= {cur.start})"
+  )
 
 
 def _check_finite(step: int, step_metrics) -> dict:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from experiments import sysgen
+from experiments import extrapolation, halting, sysgen
 from loopjax import config as config_lib
 
 BAD = [
@@ -32,6 +32,47 @@ BAD = [
 ]
 
 
+# On the k-hop chains config (experiments/extrapolation.py:cpu).
+BAD_CHAINS = [
+  ("data.max_hops", 1, "data.max_hops: must be >= 2"),
+  ("data.train_hops", 13, "data.train_hops: must be in [2, data.max_hops=12]"),
+  ("data.test_per_hop", 0, "data.test_per_hop: must be >= 1 with a curriculum"),
+  ("train.curriculum.start", 7, "train.curriculum.start: must be in [2, data.train"),
+  ("train.curriculum.threshold", 1.5, "train.curriculum.threshold: must be in [0, 1]"),
+  ("train.curriculum.lr_decay", 0.0, "train.curriculum.lr_decay: must be in (0, 1]"),
+  ("model.pos_encoding", "alibi", "model.pos_encoding: must be one of learned"),
+  ("analyze.names", ("lens",), "analyze.names: each must be one of overthinking"),
+  ("analyze.halting.criteria", ("kl", "x"), "analyze.halting.criteria: each must"),
+  ("analyze.halting.r_min", 17, "analyze.halting.r_min: must be <= analyze.halting"),
+  ("analyze.max_depth", 0, "analyze.max_depth: must be >= 1"),
+]
+
+
+def _set(c, field, value):
+  *sections, key = field.split(".")
+  for s in sections:
+    c = c[s]
+  c[key] = value
+
+
+@pytest.mark.parametrize(
+  "field,value,message", BAD_CHAINS, ids=[b[0] for b in BAD_CHAINS]
+)
+def test_bad_chains_value_names_field(field, value, message):
+  c = extrapolation.get_config("cpu")
+  _set(c, field, value)
+  with pytest.raises(config_lib.ConfigError) as e:
+    config_lib.validate(c)
+  assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_curriculum_needs_chains():
+  c = sysgen.get_config("cpu")
+  c.train.curriculum.enabled = True
+  with pytest.raises(config_lib.ConfigError, match=r"^train.curriculum.enabled: needs"):
+    config_lib.validate(c)
+
+
 def test_sampled_depth_needs_a_valid_range_and_the_last_loss():
   c = sysgen.get_config("cpu")
   c.train.depth.update(dist="poisson", min=5, max=3)
@@ -45,8 +86,9 @@ def test_sampled_depth_needs_a_valid_range_and_the_last_loss():
 
 
 @pytest.mark.parametrize("variant", ["tiny", "cpu", "paper"])
-def test_variants_are_valid(variant):
-  config_lib.validate(sysgen.get_config(variant))
+@pytest.mark.parametrize("experiment", [sysgen, extrapolation, halting])
+def test_variants_are_valid(experiment, variant):
+  config_lib.validate(experiment.get_config(variant))
 
 
 @pytest.mark.parametrize("field,value,message", BAD, ids=[b[0] for b in BAD])

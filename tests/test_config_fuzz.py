@@ -17,7 +17,7 @@ from experiments import sysgen
 from loopjax import config as config_lib
 from loopjax.data import kg, pipeline, tfds_kg
 from loopjax.evaluate import Evaluator
-from loopjax.state import build_model, init_state, make_optimizer
+from loopjax.state import train_state
 from loopjax.train import make_train_step
 
 SKIP = {"data.data_dir", "variant"}  # where files go, not what runs
@@ -63,13 +63,11 @@ def _dry_run(c):
   """What a run does before its first step, with abstract arrays for the step."""
   if c.data.source != "generate":  # the JSON reader's errors: test_data
     raise config_lib.ConfigError("not generated")
-  task = kg.composition(**tfds_kg._params(c.data))
-  model = build_model(c.model, task.vocab.vocab_size, 3, c.seed)
-  tx = make_optimizer(c.train)
-  graphdef, state = init_state(model, tx, c.seed)
+  task = tfds_kg.generate(c.data)
+  graphdef, state, tx = train_state(c, task)
   batch = next(
     pipeline.train_iterator(
-      task.splits["train"],
+      kg.train_split(task, c.data.train_hops),
       c.train.batch_size,
       c.seed,
       task.vocab.pad_id,
@@ -122,5 +120,5 @@ def test_huge_phi_is_a_config_error():
   c.data.phi = 1e308  # phi * facts overflows to inf
   config_lib.validate(c)
   with pytest.raises(config_lib.ConfigError, match="data.phi"):
-    kg.composition(**tfds_kg._params(c.data))
+    tfds_kg.generate(c.data)
   assert math.isinf(c.data.phi * 1000)

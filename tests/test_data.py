@@ -173,7 +173,9 @@ def test_json_load_reads_single_line_files(data, tmp_path):
   for path in tmp_path.iterdir():
     path.write_text(json.dumps(json.loads(path.read_text())))
   _assert_same(grokked_json.load(tmp_path), data)
-  cfg = ml_collections.ConfigDict({"source": f"grokked_json:{tmp_path}"})
+  cfg = ml_collections.ConfigDict(
+    {"source": f"grokked_json:{tmp_path}", "task": "composition"}
+  )
   _assert_same(loopjax.data.load(cfg), data)
 
 
@@ -256,12 +258,13 @@ def test_tfds_read_matches_generator_and_reuses_prepared_data(
 
 def test_tfds_config_name_changes_with_every_param(tmp_path):
   names = set()
-  for key in [None, *tfds_kg.PARAMS]:
+  params = tfds_kg.TASKS["composition"].params
+  for key in [None, *params]:
     cfg = _data_cfg(tmp_path)
     if key:
       cfg[key] += 0.01 if isinstance(cfg[key], float) else 1
     names.add(tfds_kg.config_name(cfg))
-  assert len(names) == len(tfds_kg.PARAMS) + 1
+  assert len(names) == len(params) + 1
   assert tfds_kg.config_name(cfg) == "e30_r10_d5_ood0.2_pt0.2_phi3.0_n1000_s1"
 
 
@@ -376,3 +379,97 @@ def test_chains_too_many_asked():
       test_per_hop=9,
       seed=0,
     )
+
+
+CHAINS = dict(
+  num_entities=20,
+  num_relations=4,
+  max_hops=5,
+  train_per_hop=60,
+  test_per_hop=10,
+  seed=3,
+)
+
+
+@pytest.fixture(scope="module")
+def chains():
+  return kg.chains(**CHAINS)
+
+
+def _assert_same_chains(a: kg.TaskData, b: kg.TaskData):
+  assert a.vocab == b.vocab and a.task == b.task == "chains"
+  assert list(a.splits) == list(b.splits)
+  for name, split in a.splits.items():
+    for key, x in split.items():
+      np.testing.assert_array_equal(x, b.splits[name][key], err_msg=f"{name}/{key}")
+  assert kg.fingerprint(a) == kg.fingerprint(b)
+
+
+def test_chains_tfds_round_trip(chains, tmp_path):
+  cfg = config_lib.base().data
+  cfg.update(CHAINS, task="chains", data_dir=str(tmp_path))
+  _assert_same_chains(loopjax.data.load(cfg), chains)
+  assert tfds_kg.config_name(cfg) == "e20_r4_k5_n60_t10_s3"
+
+
+def test_chains_ltg_json_round_trip(chains, tmp_path):
+  """Bridges are not in the files: the reader recomputes them from the atomic
+  facts, so equality checks the walk too."""
+  grokked_json.export(chains, tmp_path)
+  test = json.loads((tmp_path / "test.json").read_text())
+  types = {x["type"] for x in test}
+  assert types == {"atomic_facts"} | {
+    f"{k}hop_{s}" for k in range(2, 6) for s in ("train", "test")
+  }
+  assert test == json.loads((tmp_path / "valid.json").read_text())
+  small = json.loads((tmp_path / "test_small.json").read_text())
+  assert len(small) == 4 * 10  # min(50, test_per_hop) per k
+  first = json.loads((tmp_path / "train.json").read_text())[0]
+  assert first["type"] == "atomic" and first["target_text"].endswith("</a>")
+  cfg = ml_collections.ConfigDict(
+    {"source": f"grokked_json:{tmp_path}", "task": "chains"}
+  )
+  _assert_same_chains(loopjax.data.load(cfg), chains)
+
+
+def test_chains_json_errors_name_the_line(chains, tmp_path):
+  grokked_json.export(chains, tmp_path)
+  path = tmp_path / "test.json"
+  _corrupt(path, 2, '"2hop_test"', '"2hop_quiz"')
+  with pytest.raises(config_lib.ConfigError, match="test.json line 2: unknown type"):
+    grokked_json.load(tmp_path, "chains")
+  grokked_json.export(chains, tmp_path)
+  _corrupt(path, 2, '"2hop_test"', '"3hop_test"')
+  with pytest.raises(config_lib.ConfigError, match="line 2: type '3hop_test' does not"):
+    grokked_json.load(tmp_path, "chains")
+  grokked_json.export(chains, tmp_path)
+  lines = path.read_text().split("\n")
+  item = json.loads(lines[1].rstrip(","))
+  answer = int(item["target_text"].rsplit("<e_", 1)[1].split(">")[0])
+  item["target_text"] = item["input_text"] + f"<e_{(answer + 1) % 20}></a>"
+  lines[1] = json.dumps(item) + ","
+  path.write_text("\n".join(lines))
+  with pytest.raises(
+    config_lib.ConfigError, match="line 2: the answer does not follow"
+  ):
+    grokked_json.load(tmp_path, "chains")
+
+
+def test_train_split_is_a_curriculum_stage_and_probes_sample(chains):
+  stage = kg.train_split(chains, 3)
+  assert stage["inputs"].shape == (20 * 4 + 2 * 60, 4)  # atomic + k=2,3; 4 tokens
+  assert (kg.train_split(chains, 5)["inputs"].shape[1]) == 6
+  probes = kg.probes(chains, train_hops=3, size=25)
+  assert list(probes) == [
+    "atomic",
+    "train_k2",
+    "test_k2",
+    "train_k3",
+    "test_k3",
+    "test_k4",
+    "test_k5",
+  ]
+  assert len(probes["atomic"]["target"]) == len(probes["train_k2"]["target"]) == 25
+  assert len(probes["test_k5"]["target"]) == 10  # test splits whole
+  rows = {tuple(r) for r in chains.splits["train_k2"]["inputs"].tolist()}
+  assert {tuple(r) for r in probes["train_k2"]["inputs"].tolist()} <= rows

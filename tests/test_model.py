@@ -41,11 +41,11 @@ VARIANTS = [
     [("none", "embedding"), ("add", "zeros"), ("concat", "random")],
     ["pre", "sandwich", "post"],
     ["layernorm", "rmsnorm"],
-    ["learned", "sinusoidal", "none"],
+    ["learned", "sinusoidal", "rope", "none"],
     [True, False],
     [(0, 0), (1, 1)],
   )
-][::7]  # a spread over the product, not all 216
+][::7]  # a spread over the product, not all 288
 
 
 @pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: "-".join(map(str, kw.values())))
@@ -149,6 +149,24 @@ def test_every_parameter_has_logical_axes():
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     names = var.get_metadata().get("out_sharding")
     assert names is not None and len(names) == var.get_value().ndim, path
+
+
+def test_rope_scores_depend_on_relative_position_only():
+  """q.k after rotary embedding is the same for any common shift of both."""
+  from loopjax.model.layers import rope
+
+  q, k = jax.random.normal(jax.random.key(1), (2, 1, 1, 1, 8))
+  pad = jnp.zeros((1, 11, 1, 8))
+
+  def score(i, j):  # q at position i, k at position j
+    qs, ks = pad.at[:, i].set(q[:, 0]), pad.at[:, j].set(k[:, 0])
+    return (rope(qs)[:, i] * rope(ks)[:, j]).sum()
+
+  for shift in (1, 4, 7):
+    np.testing.assert_allclose(score(3 + shift, 1 + shift), score(3, 1), rtol=1e-5)
+  assert not np.isclose(score(3, 1), score(3, 2))
+  # Position 0 is not rotated: rope is the identity there.
+  np.testing.assert_allclose(rope(pad.at[:, 0].set(q[:, 0]))[:, 0], q[:, 0])
 
 
 def test_elementwise_attention_equals_einsum_attention():

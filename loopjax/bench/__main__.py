@@ -161,14 +161,13 @@ def bench_halting(config) -> dict:
 
 
 def bench_data(config) -> dict:
-  params = {k: config.data[k] for k in tfds_kg.PARAMS}
   t = time.perf_counter()
-  task = kg.composition(**params)
+  task = tfds_kg.generate(config.data)
   kg.fingerprint(task)
   seconds = time.perf_counter() - t
   n = sum(len(v["target"]) for v in task.splits.values())
   print(f"generated {n:,} examples in {seconds:.3f} s")
-  return {"params": params, "examples": n, "seconds": seconds}
+  return {"params": tfds_kg.params(config.data), "examples": n, "seconds": seconds}
 
 
 BENCHMARKS = {

@@ -2,9 +2,9 @@
 
 from loopjax.config import ConfigError
 from loopjax.data import grokked_json, tfds_kg
-from loopjax.data.kg import TaskData, Vocab, fingerprint
+from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
 
-__all__ = ["TaskData", "Vocab", "fingerprint", "load"]
+__all__ = ["TaskData", "Vocab", "fingerprint", "load", "probes", "train_split"]
 
 _JSON = "grokked_json:"
 
@@ -20,7 +20,7 @@ def load(data_cfg) -> TaskData:
         f"({e.strerror or e}); pick a writable directory"
       ) from e
   if data_cfg.source.startswith(_JSON):
-    return grokked_json.load(data_cfg.source.removeprefix(_JSON))
+    return grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
   raise ConfigError(
     f"data.source: must be 'generate' or '{_JSON}DIR'; got {data_cfg.source!r}"
   )

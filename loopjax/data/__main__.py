@@ -24,7 +24,7 @@ def main(argv):
     grokked_json.export(data.load(_CONFIG.value.data), _OUT.value)
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
-  print(f"wrote train.json, valid.json, test.json, vocab.json to {_OUT.value}")
+  print(f"wrote the papers' JSON files (train, valid, test, vocab) to {_OUT.value}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ def _names(vocab: kg.Vocab) -> list[str]:
 
 
 def export(data: kg.TaskData, out_dir) -> None:
-  """Writes train/valid/test/vocab.json; valid.json repeats the OOD inferred probe."""
+  """Writes the papers' files for the task (DATA_FORMATS.md)."""
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   names = _names(data.vocab) + [""]  # pad prints as nothing
@@ -44,6 +44,8 @@ def export(data: kg.TaskData, out_dir) -> None:
       yield item if type_ is None else item | {"type": type_}
 
   _write(out_dir / "vocab.json", names[:-1] + list(SPECIALS))
+  if data.task == "chains":
+    return _export_chains(data, out_dir, items)
   _write(out_dir / "train.json", items(data.splits["train"]))
   _write(
     out_dir / "valid.json",
@@ -55,12 +57,49 @@ def export(data: kg.TaskData, out_dir) -> None:
   )
 
 
+def _export_chains(data: kg.TaskData, out_dir: Path, items) -> None:
+  """LTG's k-hop files: train.json (atomic, then every train chain), test.json
+  (every test chain, 2000 sampled atomic facts, up to 2000 sampled train chains
+  per k), valid.json (a copy), test_small.json (50 test chains per k)."""
+  ks = range(2, data.max_hops + 1)
+  sp = data.splits
+
+  def sample(split, n, seed):
+    keep = np.sort(np.random.default_rng(seed).permutation(len(split["target"]))[:n])
+    return {key: column[keep] for key, column in split.items()}
+
+  def chained(*parts):
+    for part in parts:
+      yield from part
+
+  _write(
+    out_dir / "train.json",
+    chained(
+      items(sp["atomic"], "atomic"),
+      *(items(sp[f"train_k{k}"], f"{k}hop_train") for k in ks),
+    ),
+  )
+  test = list(
+    chained(
+      *(items(sp[f"test_k{k}"], f"{k}hop_test") for k in ks),
+      items(sample(sp["atomic"], 2000, 1), "atomic_facts"),
+      *(items(sample(sp[f"train_k{k}"], 2000, k), f"{k}hop_train") for k in ks),
+    )
+  )
+  _write(out_dir / "test.json", test)
+  _write(out_dir / "valid.json", test)
+  _write(
+    out_dir / "test_small.json",
+    chained(*(items(sample(sp[f"test_k{k}"], 50, k), f"{k}hop_test") for k in ks)),
+  )
+
+
 def _write(path: Path, items) -> None:
   """A JSON list with one item per line, so parse errors point at an example."""
   path.write_text("[\n" + ",\n".join(json.dumps(x) for x in items) + "\n]\n")
 
 
-def load(dir_) -> kg.TaskData:
+def load(dir_, task: str = "composition") -> kg.TaskData:
   """Reads a directory written by export() or by the papers' scripts."""
   dir_ = Path(dir_).expanduser()
   vocab = kg.Vocab(
@@ -74,14 +113,54 @@ def load(dir_) -> kg.TaskData:
   )
   ids = {name: i for i, name in enumerate(_names(vocab))}
   ids |= {name: -1 - i for i, name in enumerate(SPECIALS)}
-  train = _facts(dir_ / "train.json", vocab, ids)
-  test = _facts(dir_ / "test.json", vocab, ids, types=tuple(TYPES.values()))
+  if task == "chains":
+    return _load_chains(dir_, vocab, ids)
+  train = _facts(dir_ / "train.json", vocab, ids, lambda _: None, width=3)
+  test = _facts(dir_ / "test.json", vocab, ids, _composition_len, width=3)
   tail_ER = _atomic_table(train, vocab)
-  splits = {"train": _chain(train, tail_ER, vocab, "train.json")}
+  splits = {"train": _composition(train, tail_ER, vocab, "train.json")}
   for name, type_ in TYPES.items():
     rows = {k: v[test["type"] == type_] for k, v in test.items()}
-    splits[name] = _chain(rows, tail_ER, vocab, "test.json")
-  return kg.TaskData(vocab, splits)
+    splits[name] = _composition(rows, tail_ER, vocab, "test.json")
+  return kg.TaskData(vocab, splits, "composition")
+
+
+def _composition_len(type_) -> int:
+  """The input length a test.json type implies."""
+  if type_ not in TYPES.values():
+    raise ValueError(
+      f"unknown type {type_!r}; expected one of {', '.join(TYPES.values())}"
+    )
+  return 2 if type_.endswith("_atomic") else 3
+
+
+_HOP_TYPE = re.compile(r"(\d+)hop_(train|test)")
+
+
+def _chain_len(type_) -> int:
+  if type_ in ("atomic", "atomic_facts"):
+    return 2
+  if not (isinstance(type_, str) and (m := _HOP_TYPE.fullmatch(type_))):
+    raise ValueError(
+      f"unknown type {type_!r}; expected atomic, atomic_facts or <k>hop_train/test"
+    )
+  return int(m[1]) + 1
+
+
+def _load_chains(dir_: Path, vocab: kg.Vocab, ids: dict) -> kg.TaskData:
+  """Atomic facts and train chains from train.json, test chains from test.json
+  (its sampled atomic facts and train chains repeat train.json's)."""
+  train = _facts(dir_ / "train.json", vocab, ids, _chain_len)
+  test = _facts(dir_ / "test.json", vocab, ids, _chain_len)
+  K = max(train["inputs"].shape[1], test["inputs"].shape[1]) - 1
+  tail_ER = _atomic_table(train, vocab)
+  splits = {"atomic": _chains(train, tail_ER, vocab, "train.json", K, "atomic")}
+  for k in range(2, K + 1):
+    splits[f"train_k{k}"] = _chains(
+      train, tail_ER, vocab, "train.json", K, f"{k}hop_train"
+    )
+    splits[f"test_k{k}"] = _chains(test, tail_ER, vocab, "test.json", K, f"{k}hop_test")
+  return kg.TaskData(vocab, splits, "chains")
 
 
 def _items(path: Path, kind=dict):
@@ -117,39 +196,47 @@ def _items(path: Path, kind=dict):
     raise fail(pos, "invalid JSON: extra data after the list")
 
 
-def _facts(path: Path, vocab: kg.Vocab, ids: dict, types=None) -> dict:
-  """Every example's token ids, checked, as columns plus its line and type."""
+def _facts(path: Path, vocab: kg.Vocab, ids: dict, length, width: int = 0) -> dict:
+  """Every example's token ids, checked, as columns (inputs padded to the longest,
+  at least `width`) plus its line and type; `length(type)` is the input length
+  the type implies (None: any)."""
   rows = []
   for line, item in _items(path):
     try:
-      rows.append((line, *_example(item, vocab, ids, types)))
+      rows.append((line, *_example(item, vocab, ids, length)))
     except ValueError as e:
       raise ConfigError(f"{path.name} line {line}: {e}") from None
   line, inputs, target, type_ = zip(*rows, strict=True) if rows else ([],) * 4
+  T = max([width, *map(len, inputs)])
   return {
     "line": np.array(line, int),
-    "inputs": np.array(inputs, np.int32).reshape(-1, 3),
+    "inputs": np.array(
+      [x + [vocab.pad_id] * (T - len(x)) for x in inputs], np.int32
+    ).reshape(-1, T),
     "target": np.array(target, np.int32),
     "type": np.array(type_, object),
   }
 
 
-def _example(item: dict, vocab: kg.Vocab, ids: dict, types) -> tuple:
+def _example(item: dict, vocab: kg.Vocab, ids: dict, length) -> tuple:
   text, target_text = item.get("input_text"), item.get("target_text")
   type_ = item.get("type")
   if not (isinstance(text, str) and isinstance(target_text, str)):
     raise ConfigError("input_text and target_text must be strings")
-  if types and type_ not in types:
-    raise ConfigError(f"unknown type {type_!r}; expected one of {', '.join(types)}")
+  want = length(type_)
   inputs, target = _token_ids(text, ids), _token_ids(target_text, ids)
   E = vocab.num_entities
   if not (
-    len(inputs) in (2, 3)
+    len(inputs) >= 2
+    and (want is not None or len(inputs) <= 3)
     and 0 <= inputs[0] < E
     and all(E <= i < vocab.pad_id for i in inputs[1:])
   ):
-    raise ConfigError("input_text must be one entity followed by one or two relations")
-  if types and (len(inputs) == 2) != type_.endswith("_atomic"):
+    raise ConfigError(
+      "input_text must be one entity followed by "
+      + ("one or two relations" if want is None else "relations")
+    )
+  if want is not None and len(inputs) != want:
     raise ConfigError(f"type {type_!r} does not match a {len(inputs)}-token input")
   if not (
     target[:-2] == inputs
@@ -158,7 +245,7 @@ def _example(item: dict, vocab: kg.Vocab, ids: dict, types) -> tuple:
     and target[-1] == ids["</a>"]
   ):
     raise ConfigError("target_text must be input_text followed by one entity and </a>")
-  return inputs + [vocab.pad_id] * (3 - len(inputs)), target[-2], type_
+  return inputs, target[-2], type_
 
 
 def _token_ids(text: str, ids: dict) -> list[int]:
@@ -171,13 +258,9 @@ def _token_ids(text: str, ids: dict) -> list[int]:
   return [ids[t] for t in tokens]
 
 
-def _is_atomic(rows, vocab: kg.Vocab) -> np.ndarray:
-  return rows["inputs"][:, 2] == vocab.pad_id
-
-
 def _atomic_table(train, vocab: kg.Vocab) -> np.ndarray:
   """tail_ER[h, r]: the tail of atomic fact (h, r) in train.json, -1 if absent."""
-  atomic = _is_atomic(train, vocab)
+  atomic = (train["inputs"] != vocab.pad_id).sum(1) == 2
   h, r = train["inputs"][atomic, 0], train["inputs"][atomic, 1] - vocab.num_entities
   tail_ER = np.full((vocab.num_entities, vocab.num_relations), -1, np.int32)
   tail_ER[h, r] = train["target"][atomic]
@@ -190,21 +273,50 @@ def _atomic_table(train, vocab: kg.Vocab) -> np.ndarray:
   return tail_ER
 
 
-def _chain(rows, tail_ER, vocab: kg.Vocab, file: str) -> kg.Split:
-  """Checks each fact against train.json's atomic facts; finds inferred bridges."""
-  E, inputs_N3 = vocab.num_entities, rows["inputs"]
-  atomic_N = _is_atomic(rows, vocab)
-  first_N = tail_ER[inputs_N3[:, 0], inputs_N3[:, 1] - E]
-  r2_N = np.where(atomic_N, 0, inputs_N3[:, 2] - E)
-  second_N = np.where(first_N < 0, -1, tail_ER[np.maximum(first_N, 0), r2_N])
-  bad = np.flatnonzero(np.where(atomic_N, first_N, second_N) != rows["target"])
+def _walk(rows, tail_ER, vocab: kg.Vocab, file: str):
+  """(entities reached after hops 1..T-1 (N, T-1), -1 past the end; hops (N,)),
+  checking that every answer follows from train.json's atomic facts."""
+  (E, R), inputs_NT = tail_ER.shape, rows["inputs"]
+  hops_N = (inputs_NT != vocab.pad_id).sum(1) - 1
+  e_N, walk = inputs_NT[:, 0], []
+  for j in range(1, inputs_NT.shape[1]):
+    live_N = (j <= hops_N) & (e_N >= 0)
+    e_N = np.where(
+      live_N, tail_ER[np.maximum(e_N, 0), np.minimum(inputs_NT[:, j] - E, R - 1)], -1
+    )
+    walk.append(e_N)
+  walk_NJ = np.stack(walk, 1) if walk else np.zeros((len(hops_N), 0), np.int32)
+  answer_N = walk_NJ[np.arange(len(hops_N)), hops_N - 1] if len(hops_N) else hops_N
+  bad = np.flatnonzero(answer_N != rows["target"])
   if len(bad):
     raise ConfigError(
       f"{file} line {rows['line'][bad[0]]}: the answer does not "
       "follow from the atomic facts in train.json"
     )
+  return walk_NJ, hops_N
+
+
+def _composition(rows, tail_ER, vocab: kg.Vocab, file: str) -> kg.Split:
+  """Checks each fact against train.json's atomic facts; finds inferred bridges."""
+  walk_N2, hops_N = _walk(rows, tail_ER, vocab, file)
   return {
-    "inputs": inputs_N3,
+    "inputs": rows["inputs"],
     "target": rows["target"],
-    "bridge": np.where(atomic_N, -1, first_N).astype(np.int32),
+    "bridge": np.where(hops_N == 1, -1, walk_N2[:, 0]).astype(np.int32),
+  }
+
+
+def _chains(rows, tail_ER, vocab: kg.Vocab, file: str, K: int, type_: str) -> kg.Split:
+  """The rows of one type, padded to K hops, checked, with their bridges."""
+  keep = rows["type"] == type_
+  rows = {k: v[keep] for k, v in rows.items()}
+  pad = np.full((len(rows["target"]), K + 1 - rows["inputs"].shape[1]), vocab.pad_id)
+  rows["inputs"] = np.concatenate([rows["inputs"], pad], 1).astype(np.int32)
+  walk_NK, hops_N = _walk(rows, tail_ER, vocab, file)
+  j_K = np.arange(K - 1)
+  bridges = np.where(j_K[None] < hops_N[:, None] - 1, walk_NK[:, : K - 1], -1)
+  return {
+    "inputs": rows["inputs"],
+    "target": rows["target"],
+    "bridges": bridges.astype(np.int32),
   }

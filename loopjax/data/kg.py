@@ -1,9 +1,15 @@
-"""2-hop composition data ("Grokked Transformers", Wang et al. 2024) as int arrays.
+"""Knowledge-graph tasks as int arrays, everything derived from one seed.
 
-A random knowledge graph gives atomic facts (h, r) -> t. Chaining two of them gives
-inferred facts (h, r1, r2) -> t through a bridge entity b. Some atomic facts are
-OOD: they are trained on only as atomic facts, so inferred facts whose two hops are
-both OOD test systematic composition. Everything derives from one seed.
+`composition` (2-hop, "Grokked Transformers", Wang et al. 2024): a random graph
+gives atomic facts (h, r) -> t; chaining two gives inferred facts (h, r1, r2) -> t
+through a bridge entity b. Some atomic facts are OOD: trained on only as atomic
+facts, so inferred facts whose two hops are both OOD test systematic composition.
+
+`chains` (k-hop, "Loop, Think, & Generalize"): every relation is a permutation of
+the entities; chains (h, r1..rk) -> t for k = 2..K test depth extrapolation.
+
+In both, an example's answer is read at its last real token (position k for k
+hops; atomic facts are 1 hop), and padding follows it.
 """
 
 import dataclasses
@@ -22,6 +28,23 @@ SPLITS = (
   "test_inferred_ood",
 )
 PROBES = SPLITS[1:]
+TASKS = ("composition", "chains")
+
+
+def split_names(task: str, params: dict) -> tuple[str, ...]:
+  """The splits a task's generator returns, in order."""
+  if task == "composition":
+    return SPLITS
+  ks = range(2, params["max_hops"] + 1)
+  return ("atomic", *(f"{s}_k{k}" for k in ks for s in ("train", "test")))
+
+
+def column_shapes(task: str, params: dict) -> dict[str, tuple[int, ...]]:
+  """Each column's per-example shape (all int32)."""
+  if task == "composition":
+    return {"inputs": (3,), "target": (), "bridge": ()}
+  K = params["max_hops"]
+  return {"inputs": (K + 1,), "target": (), "bridges": (K - 1,)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +71,47 @@ Split = dict[str, np.ndarray]
 @dataclasses.dataclass(frozen=True)
 class TaskData:
   vocab: Vocab
-  splits: dict[str, Split]  # keyed by SPLITS
+  splits: dict[str, Split]  # keyed by split_names(task, ...)
+  task: str = "composition"
+
+  @property
+  def max_hops(self) -> int:
+    """The longest chain the task holds (2 for composition)."""
+    return self.splits[next(iter(self.splits))]["inputs"].shape[1] - 1
+
+
+def train_split(data: TaskData, max_hops: int | None = None) -> Split:
+  """What training samples from: composition's `train`; for chains, the atomic
+  facts and the train chains of up to `max_hops` hops (a curriculum stage),
+  padded to max_hops + 1 tokens only (compute grows with length)."""
+  if data.task == "composition":
+    return data.splits["train"]
+  names = ["atomic"] + [f"train_k{k}" for k in range(2, max_hops + 1)]
+  return {
+    "inputs": np.concatenate([data.splits[n]["inputs"] for n in names])[
+      :, : max_hops + 1
+    ],
+    "target": np.concatenate([data.splits[n]["target"] for n in names]),
+  }
+
+
+def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Split]:
+  """The splits evaluations report, none empty. Composition: every split but
+  `train`. Chains: every `test_k<k>`, plus samples of `size` (fixed, the first
+  after a seeded shuffle) from the atomic facts and from each `train_k<k>` with
+  k <= train_hops (memorization)."""
+  if data.task == "composition":
+    names = [n for n in data.splits if n != "train"]
+    return {n: data.splits[n] for n in names if len(data.splits[n]["target"])}
+  out = {}
+  for name, split in data.splits.items():
+    k = int(name.rpartition("_k")[2]) if "_k" in name else 1
+    if name.startswith("test_"):
+      out[name] = split
+    elif k <= train_hops:
+      keep = np.random.default_rng(k).permutation(len(split["target"]))[:size]
+      out[name] = {key: column[np.sort(keep)] for key, column in split.items()}
+  return {n: s for n, s in out.items() if len(s["target"])}
 
 
 def composition(
@@ -115,6 +178,7 @@ def composition(
       name: _examples(hop1, hop2, rel_A, tail_A, D, vocab)
       for name, (hop1, hop2) in pairs.items()
     },
+    "composition",
   )
 
 
@@ -158,7 +222,8 @@ def hops(split: Split, pad_id: int) -> tuple[Split, Split]:
 
 
 def fingerprint(data: TaskData) -> str:
-  """sha256 of the vocab and every array, independent of platform byte order."""
+  """sha256 of the vocab and every array, independent of platform byte order
+  (the task is implied by the split names)."""
   h = hashlib.sha256(f"{data.vocab.num_entities},{data.vocab.num_relations}".encode())
   for name in sorted(data.splits):
     for key in sorted(data.splits[name]):
@@ -189,6 +254,8 @@ def chains(
   (N, max_hops - 1): the intermediate entities b_1..b_{k-1}, -1 after them.
   """
   E, R, K = num_entities, num_relations, max_hops
+  if K < 2:
+    raise ConfigError(f"data.max_hops: must be >= 2; got {K}")
   vocab = Vocab(E, R)
   rng = np.random.default_rng(seed)
   tail_RE = np.argsort(rng.random((R, E)), axis=1)  # tail_RE[r, h]: r(h)
@@ -205,7 +272,7 @@ def chains(
     ex = _chain_examples(h_N, rels_NK, tail_RE, K, vocab)
     splits[f"train_k{k}"] = {name: a[:train_per_hop] for name, a in ex.items()}
     splits[f"test_k{k}"] = {name: a[train_per_hop:] for name, a in ex.items()}
-  return TaskData(vocab, splits)
+  return TaskData(vocab, splits, "chains")
 
 
 def _unique_walks(rng, E: int, R: int, k: int, n: int):

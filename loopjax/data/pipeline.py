@@ -48,7 +48,7 @@ def train_iterator(
       f"processes ({n_proc}); got {batch_size}"
     )
   B = batch_size // n_proc
-  atomic = np.flatnonzero(split["bridge"] < 0)
+  atomic = np.flatnonzero(answer_pos(split["inputs"], pad_id) == 1)
   epoch = np.concatenate(
     [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
   )[i_proc::n_proc]
@@ -78,3 +78,32 @@ def eval_batches(split, batch_size: int, pad_id: int):
   for start in range(0, n, batch_size):
     idx_B = np.arange(start, start + batch_size)
     yield _gather(split, np.where(idx_B < n, idx_B, 0), pad_id)
+
+
+class StagedIterator:
+  """Training batches from the current curriculum stage's split.
+
+  `make(stage)` builds the stage's iterator. The state (saved in checkpoints)
+  holds the stage with the position, so a resumed run rebuilds the right split
+  before seeking in it.
+  """
+
+  def __init__(self, make, stage: int):
+    self._make = make
+    self.set_stage(stage)
+
+  def set_stage(self, stage: int) -> None:
+    self.stage, self._it = int(stage), self._make(int(stage))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    return next(self._it)
+
+  def get_state(self) -> dict:
+    return {"stage": self.stage, "position": self._it.get_state()}
+
+  def set_state(self, state: dict) -> None:
+    self.set_stage(state["stage"])
+    self._it.set_state(state["position"])

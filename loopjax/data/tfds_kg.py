@@ -1,7 +1,9 @@
-"""Generated composition data stored as a TFDS dataset (array_record) under data_dir.
+"""Generated tasks stored as TFDS datasets (array_record) under data_dir.
 
 Preparing once and reading back with random access (no TensorFlow) lets every run
-and host share the same bytes; the stored fingerprint catches corruption.
+and host share the same bytes; the stored fingerprint catches corruption. One
+builder per task (`composition`, `chains`); a builder config is named by every
+argument of the task's generator, so different settings never share files.
 """
 
 import dataclasses
@@ -14,21 +16,44 @@ import tensorflow_datasets as tfds
 from loopjax.config import ConfigError
 from loopjax.data import kg
 
-# kg.composition's arguments, read from the `data` config section.
-PARAMS = {
-  "num_entities": int,
-  "num_relations": int,
-  "out_degree": int,
-  "ood_ratio": float,
-  "p_test_id": float,
-  "phi": float,
-  "probe_size": int,
-  "seed": int,
+
+@dataclasses.dataclass(frozen=True)
+class _Task:
+  generate: object  # kg.composition or kg.chains
+  params: dict  # the generator's arguments, read from the `data` config section
+  name: str  # the builder config's name, formatted from params
+
+
+TASKS = {
+  "composition": _Task(
+    kg.composition,
+    {
+      "num_entities": int,
+      "num_relations": int,
+      "out_degree": int,
+      "ood_ratio": float,
+      "p_test_id": float,
+      "phi": float,
+      "probe_size": int,
+      "seed": int,
+    },
+    "e{num_entities}_r{num_relations}_d{out_degree}_ood{ood_ratio!r}"
+    "_pt{p_test_id!r}_phi{phi!r}_n{probe_size}_s{seed}",
+  ),
+  "chains": _Task(
+    kg.chains,
+    {
+      "num_entities": int,
+      "num_relations": int,
+      "max_hops": int,
+      "train_per_hop": int,
+      "test_per_hop": int,
+      "seed": int,
+    },
+    "e{num_entities}_r{num_relations}_k{max_hops}_n{train_per_hop}"
+    "_t{test_per_hop}_s{seed}",
+  ),
 }
-_NAME = (
-  "e{num_entities}_r{num_relations}_d{out_degree}_ood{ood_ratio!r}"
-  "_pt{p_test_id!r}_phi{phi!r}_n{probe_size}_s{seed}"
-)
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,23 +61,23 @@ class KgConfig(tfds.core.BuilderConfig):
   params: dict = dataclasses.field(default_factory=dict)
 
 
-class KgComposition(tfds.core.GeneratorBasedBuilder):
-  """kg.composition's splits; bump VERSION whenever the generator's output changes."""
+class _Builder:
+  """What both builders share; bump a builder's VERSION whenever its generator's
+  output changes."""
 
-  VERSION = tfds.core.Version("1.0.0")
+  TASK: str
 
   def _info(self) -> tfds.core.DatasetInfo:
     params = self.builder_config.params
+    shapes = kg.column_shapes(self.TASK, params)
+    features = {
+      key: tfds.features.Tensor(shape=shape, dtype=np.int32)
+      for key, shape in shapes.items()
+    }
+    features["index"] = tfds.features.Scalar(dtype=np.int64)  # position in the split
     return tfds.core.DatasetInfo(
       builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          "inputs": tfds.features.Tensor(shape=(3,), dtype=np.int32),
-          "target": tfds.features.Scalar(dtype=np.int32),
-          "bridge": tfds.features.Scalar(dtype=np.int32),
-          "index": tfds.features.Scalar(dtype=np.int64),  # position in kg's split
-        }
-      ),
+      features=tfds.features.FeaturesDict(features),
       metadata=tfds.core.MetadataDict(
         num_entities=params["num_entities"], num_relations=params["num_relations"]
       ),
@@ -60,7 +85,7 @@ class KgComposition(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
-    data = kg.composition(**self.builder_config.params)
+    data = TASKS[self.TASK].generate(**self.builder_config.params)
     self.info.metadata["fingerprint"] = kg.fingerprint(data)
     # TFDS cannot write an empty split; read() restores missing ones as empty.
     return {
@@ -70,31 +95,55 @@ class KgComposition(tfds.core.GeneratorBasedBuilder):
     }
 
   def _generate_examples(self, split: kg.Split):
-    for i, (inputs, target, bridge) in enumerate(
-      zip(split["inputs"], split["target"], split["bridge"], strict=True)
-    ):
-      yield i, {"inputs": inputs, "target": target, "bridge": bridge, "index": i}
+    for i in range(len(split["target"])):
+      yield i, {key: column[i] for key, column in split.items()} | {"index": i}
 
 
-def _params(data_cfg) -> dict:
-  return {k: cast(data_cfg[k]) for k, cast in PARAMS.items()}
+class KgComposition(_Builder, tfds.core.GeneratorBasedBuilder):
+  """kg.composition's splits."""
+
+  TASK = "composition"
+  VERSION = tfds.core.Version("1.0.0")
+
+
+class KgChains(_Builder, tfds.core.GeneratorBasedBuilder):
+  """kg.chains's splits."""
+
+  TASK = "chains"
+  VERSION = tfds.core.Version("1.0.0")
+
+
+_BUILDERS = {b.TASK: b for b in (KgComposition, KgChains)}
+
+
+def params(data_cfg) -> dict:
+  """The task generator's arguments from the `data` config section."""
+  return {k: cast(data_cfg[k]) for k, cast in TASKS[data_cfg.task].params.items()}
+
+
+def generate(data_cfg) -> kg.TaskData:
+  """The task in memory, without TFDS (benchmarks, tests)."""
+  return TASKS[data_cfg.task].generate(**params(data_cfg))
 
 
 def config_name(data_cfg) -> str:
   """Names the dataset by every generator argument, exactly (floats by repr)."""
-  return _NAME.format(**_params(data_cfg))
+  return TASKS[data_cfg.task].name.format(**params(data_cfg))
 
 
-def _builder(data_cfg) -> KgComposition:
-  config = KgConfig(name=config_name(data_cfg), params=_params(data_cfg))
-  return KgComposition(config=config, data_dir=Path(data_cfg.data_dir).expanduser())
+def _builder(data_cfg):
+  config = KgConfig(name=config_name(data_cfg), params=params(data_cfg))
+  return _BUILDERS[data_cfg.task](
+    config=config, data_dir=Path(data_cfg.data_dir).expanduser()
+  )
 
 
-def _prepared(data_cfg) -> KgComposition:
+def _prepared(data_cfg):
   """Prepares under an exclusive file lock: parallel runs share one data_dir."""
   root = Path(data_cfg.data_dir).expanduser()
   root.mkdir(parents=True, exist_ok=True)
-  with open(root / f"{config_name(data_cfg)}.lock", "w") as lock:
+  lock_name = f"{data_cfg.task}_{config_name(data_cfg)}.lock"
+  with open(root / lock_name, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     builder = _builder(data_cfg)
     builder.download_and_prepare(file_format="array_record")  # no-op once prepared
@@ -110,11 +159,16 @@ def read(data_cfg) -> kg.TaskData:
   """All splits as numpy columns in the generator's order, fingerprint-checked."""
   builder = _prepared(data_cfg)
   sources = builder.as_data_source()
+  shapes = kg.column_shapes(data_cfg.task, builder.builder_config.params)
   splits = {
-    name: _columns(sources[name]) if name in sources else _empty() for name in kg.SPLITS
+    name: _columns(sources[name], shapes)
+    if name in sources
+    else {key: np.zeros((0, *shape), np.int32) for key, shape in shapes.items()}
+    for name in kg.split_names(data_cfg.task, builder.builder_config.params)
   }
   meta = builder.info.metadata
-  data = kg.TaskData(kg.Vocab(meta["num_entities"], meta["num_relations"]), splits)
+  vocab = kg.Vocab(meta["num_entities"], meta["num_relations"])
+  data = kg.TaskData(vocab, splits, data_cfg.task)
   if (found := kg.fingerprint(data)) != meta["fingerprint"]:
     raise ConfigError(
       f"{builder.data_dir}: fingerprint {found} != stored "
@@ -123,18 +177,9 @@ def read(data_cfg) -> kg.TaskData:
   return data
 
 
-def _columns(source) -> kg.Split:
+def _columns(source, shapes) -> kg.Split:
   records = source.__getitems__(range(len(source)))
   order = np.argsort([r["index"] for r in records])
   return {
-    key: np.stack([r[key] for r in records])[order].astype(np.int32)
-    for key in ("inputs", "target", "bridge")
-  }
-
-
-def _empty() -> kg.Split:
-  return {
-    "inputs": np.zeros((0, 3), np.int32),
-    "target": np.zeros(0, np.int32),
-    "bridge": np.zeros(0, np.int32),
+    key: np.stack([r[key] for r in records])[order].astype(np.int32) for key in shapes
   }

@@ -10,6 +10,7 @@ Axis names (`vocab`, `embed`, `heads`, `kv`, `mlp`) are mapped to mesh axes by
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 _NORM_EPS = 1e-5
@@ -45,10 +46,24 @@ class Norm(nnx.Module):
     return y.astype(x_BTD.dtype)
 
 
-class Attention(nnx.Module):
-  """Causal multi-head self-attention."""
+def rope(x_BTNH, base: float = 10_000.0):
+  """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
+  position-dependent angles, so q.k depends on positions only through their
+  difference (chains longer than any trained on keep familiar offsets)."""
+  T, H = x_BTNH.shape[1], x_BTNH.shape[3]
+  angle_TF = np.arange(T)[:, None] * base ** (-np.arange(0, H, 2) / H)[None]
+  cos, sin = (f(angle_TF)[None, :, None].astype(x_BTNH.dtype) for f in (np.cos, np.sin))
+  x1, x2 = x_BTNH[..., : H // 2], x_BTNH[..., H // 2 :]
+  return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
-  def __init__(self, d: int, num_heads: int, init_std: float, *, rngs: nnx.Rngs):
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention, optionally with rotary positions."""
+
+  def __init__(
+    self, d: int, num_heads: int, init_std: float, *, rngs: nnx.Rngs, rotary=False
+  ):
+    self.rotary = rotary
     hd = d // num_heads
     normal = nnx.initializers.normal(init_std)
     self.wqkv = param(
@@ -64,6 +79,8 @@ class Attention(nnx.Module):
     qkv_MK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
     qkv_BT3NH = qkv_MK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
     q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
+    if self.rotary:
+      q_BTNH, k_BSNH = rope(q_BTNH), rope(k_BSNH)
     out_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, elementwise=T <= ELEMENTWISE_MAX_LEN)
     out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
     return (out_MD + self.bo[None]).reshape(B, T, D)
@@ -110,7 +127,9 @@ class Block(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, kind = cfg.d_model, cfg.norm_type
     self.position = cfg.norm_position
-    self.attn = Attention(d, cfg.num_heads, cfg.init_std, rngs=rngs)
+    self.attn = Attention(
+      d, cfg.num_heads, cfg.init_std, rngs=rngs, rotary=cfg.pos_encoding == "rope"
+    )
     self.mlp = Mlp(d, cfg.mlp_ratio * d, cfg.init_std, rngs=rngs)
     self.norm1 = Norm(d, kind, rngs=rngs)
     self.norm2 = Norm(d, kind, rngs=rngs)

@@ -1,0 +1,75 @@
+"""Accuracy against compute for each adaptive-halting criterion and threshold.
+
+For every (criterion, threshold) the probe splits are answered with
+`halting.adaptive` up to r_max iterations; per split the table holds accuracy
+and mean iterations used, the trade-off a halting rule is chosen by.
+"""
+
+import functools
+
+import jax
+import numpy as np
+from flax import nnx
+
+from loopjax import halting
+from loopjax.data import pipeline
+from loopjax.state import cast
+
+
+def settings(cfg) -> list[dict]:
+  """The (criterion, threshold) grid from the `analyze.halting` config."""
+  grid = []
+  for criterion in cfg.criteria:
+    if criterion in ("kl_entropy", "kl", "kl_reverse", "latent"):
+      grid += [{"criterion": criterion, "eps": e, "tau": cfg.tau} for e in cfg.eps]
+    elif criterion == "entropy":
+      grid += [{"criterion": criterion, "tau": t} for t in cfg.tau_grid]
+    elif criterion == "argmax":
+      grid += [{"criterion": criterion, "patience": p} for p in cfg.patience]
+    else:
+      grid.append({"criterion": criterion})
+  return grid
+
+
+def table(graphdef, params, dtype, probes: dict, cfg, batch_size: int, pad) -> list:
+  """[{criterion, thresholds..., splits: {split: {acc, iterations}}}]."""
+
+  @functools.partial(jax.jit, static_argnames="criterion")
+  def run(params, batch, eps, tau, patience, *, criterion):
+    model = nnx.merge(graphdef, cast(params, dtype))
+    logp_BV, iters_B = halting.adaptive(
+      model,
+      batch["inputs"],
+      batch["answer_pos"],
+      criterion=criterion,
+      r_min=cfg.r_min,
+      r_max=cfg.r_max,
+      eps=eps,
+      tau=tau,
+      patience=patience,
+    )
+    return logp_BV.argmax(-1) == batch["target"], iters_B
+
+  rows = []
+  for s in settings(cfg):
+    kw = {
+      "eps": s.get("eps", 0.0),
+      "tau": s.get("tau", 0.0),
+      "patience": s.get("patience", 0),
+      "criterion": s["criterion"],
+    }
+    splits = {}
+    for name, split in probes.items():
+      n = len(split["target"])
+      outs = [
+        jax.device_get(run(params, b, **kw))
+        for b in pipeline.eval_batches(split, batch_size, pad)
+      ]
+      correct_N = np.concatenate([o[0] for o in outs])[:n]
+      iters_N = np.concatenate([o[1] for o in outs])[:n]
+      splits[name] = {
+        "acc": float(correct_N.mean()),
+        "iterations": float(iters_N.mean()),
+      }
+    rows.append(s | {"splits": splits})
+  return rows

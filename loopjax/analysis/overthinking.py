@@ -1,0 +1,53 @@
+"""Accuracy and logit margin after every iteration, per probe split.
+
+A looped model answers a k-hop chain once it has iterated enough; iterating far
+beyond its training depth may undo the answer ("overthinking"): the margin
+(answer logit minus the best other logit) then shrinks and accuracy falls.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from loopjax.data import pipeline
+from loopjax.state import cast
+
+
+def margin(logits_RBV, target_B):
+  """Answer logit minus the largest other logit, (R, B); > 0 iff answered."""
+  answer_RB = jnp.take_along_axis(logits_RBV, target_B[None, :, None], -1)[..., 0]
+  others_RBV = jnp.where(
+    jax.nn.one_hot(target_B, logits_RBV.shape[-1], dtype=bool)[None],
+    -jnp.inf,
+    logits_RBV,
+  )
+  return answer_RB - others_RBV.max(-1)
+
+
+def curves(graphdef, params, dtype, probes: dict, max_depth: int, batch_size: int, pad):
+  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations."""
+
+  @jax.jit
+  def step(params, batch):
+    model = nnx.merge(graphdef, cast(params, dtype))
+    _, logits_RBV = model(
+      batch["inputs"], batch["answer_pos"], num_loops=max_depth, per_iteration=True
+    )
+    return margin(logits_RBV, batch["target"])
+
+  out = {}
+  for name, split in probes.items():
+    n = len(split["target"])
+    margin_RN = np.concatenate(
+      [
+        np.asarray(step(params, b))
+        for b in pipeline.eval_batches(split, batch_size, pad)
+      ],
+      1,
+    )[:, :n]
+    out[name] = {
+      "acc": (margin_RN > 0).mean(1).tolist(),
+      "margin": margin_RN.mean(1).tolist(),
+    }
+  return out

@@ -1,0 +1,186 @@
+"""k-hop chains end to end: the hop curriculum, resume, and `--mode=analyze`."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import losses, run
+
+from experiments import extrapolation
+from loopjax import evaluate, metrics, train
+from loopjax.analysis import overthinking
+from loopjax.data import kg, pipeline
+from loopjax.state import train_state
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("data")
+
+
+@pytest.fixture
+def config(data_dir):
+  """Advances a stage at every eval (threshold 0): 2 -> 3 at step 20, 4 at 40."""
+  c = extrapolation.get_config("tiny")
+  c.data.data_dir = str(data_dir)
+  return c
+
+
+@pytest.fixture(scope="module")
+def whole(data_dir, tmp_path_factory):
+  """A 60-step tiny run, uninterrupted."""
+  c = extrapolation.get_config("tiny")
+  c.data.data_dir = str(data_dir)
+  workdir = tmp_path_factory.mktemp("whole")
+  train.train_and_evaluate(c, workdir)
+  return workdir
+
+
+def stages(workdir):
+  return {
+    r["step"]: r["train/stage"]
+    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
+    if "train/stage" in r
+  }
+
+
+def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
+  assert json.loads((whole / "phases.json").read_text()) == {
+    "stage_3": 20,
+    "stage_4": 40,
+  }
+  assert stages(whole) == {10: 2, 20: 2, 30: 3, 40: 3, 50: 4, 60: 4}
+  # The stage's data: hops <= stage, inputs as long as the longest.
+  saved = json.loads((whole / "checkpoints" / "60" / "data" / "metadata").read_text())
+  assert saved["stage"] == 4
+
+  parts = tmp_path / "parts"
+  config.train.num_steps = 30  # stops in stage 3, mid-way between evals
+  train.train_and_evaluate(config, parts)
+  config.train.num_steps = 60
+  train.train_and_evaluate(config, parts)
+  assert losses(parts) == losses(whole)
+  assert stages(parts) == stages(whole)
+
+
+def test_stage_decays_the_lr(config):
+  config.train.curriculum.lr_decay = 0.5
+  task = kg.chains(
+    num_entities=16,
+    num_relations=4,
+    max_hops=5,
+    train_per_hop=50,
+    test_per_hop=8,
+    seed=0,
+  )
+  graphdef, state, tx = train_state(config, task)
+  step = train.make_train_step(graphdef, tx, config.model, config.train)
+  batch = next(
+    pipeline.train_iterator(kg.train_split(task, 4), 32, 0, task.vocab.pad_id)
+  )
+  state["step"] = jnp.int32(50)  # past warmup: a constant lr
+
+  def delta(stage):
+    s = jax.tree.map(jnp.copy, state) | {"stage": jnp.int32(stage)}
+    new, out = step(s, batch)
+    assert int(out["train/stage"]) == stage
+    return jax.tree.map(lambda a, b: b - a, state["params"], new["params"])
+
+  d2, d3 = delta(2), delta(3)
+  for a, b in zip(jax.tree.leaves(d2), jax.tree.leaves(d3), strict=True):
+    np.testing.assert_allclose(b, 0.5 * a, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
+  import types
+
+  config.train.curriculum.update(threshold=0.9, reset_optimizer=reset)
+  task = kg.chains(
+    num_entities=16,
+    num_relations=4,
+    max_hops=5,
+    train_per_hop=50,
+    test_per_hop=8,
+    seed=0,
+  )
+  _, state, tx = train_state(config, task)
+  state["opt_state"] = jax.tree.map(lambda x: x + 1, state["opt_state"])
+  made = []
+  it = pipeline.StagedIterator(lambda k: made.append(k) or iter(()), 2)
+  run = types.SimpleNamespace(config=config, train_iter=it, tx=tx, phases={})
+  same, advanced = train._advance(run, state, 20, {"eval/test_k2/acc": 0.89})
+  assert not advanced and same is state and made == [2]
+  new, advanced = train._advance(run, state, 40, {"eval/test_k2/acc": 0.9})
+  assert advanced and int(new["stage"]) == 3 and made == [2, 3]
+  assert run.phases == {"stage_3": 40}
+  fresh = jax.tree.leaves(tx.init(state["params"]))
+  for a, b, f in zip(
+    jax.tree.leaves(state["opt_state"]),
+    jax.tree.leaves(new["opt_state"]),
+    fresh,
+    strict=True,
+  ):
+    np.testing.assert_array_equal(b, f if reset else a)
+  # At the last stage (data.train_hops = 4) it stays.
+  it.set_stage(4)
+  assert not train._advance(run, new, 60, {"eval/test_k4/acc": 1.0})[1]
+
+
+def test_margin_matches_numpy():
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
+  target = rng.integers(0, 7, 5)
+  want = np.array(
+    [[l[b, t] - np.delete(l[b], t).max() for b, t in enumerate(target)] for l in logits]
+  )
+  got = overthinking.margin(jnp.asarray(logits), jnp.asarray(target))
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_analyze_agrees_with_evaluation(config, whole):
+  """`--mode=analyze` from the command line; its curves equal the evaluator's
+  accuracy at every depth, and fixed-R halting equals the curve at r_max."""
+  out = run(
+    [
+      sys.executable,
+      "-m",
+      "loopjax.main",
+      "--mode=analyze",
+      f"--workdir={whole}",
+      "--config=experiments/extrapolation.py:tiny",
+      f"--config.data.data_dir={config.data.data_dir}",
+      "--config.analyze.max_depth=6",
+      "--config.analyze.halting.criteria=('fixed','kl_entropy','argmax')",
+      "--config.analyze.halting.r_max=6",
+    ]
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert {p.name for p in (whole / "analysis").iterdir()} == {
+    "overthinking.json",
+    "overthinking.png",
+    "halting.json",
+    "halting.png",
+  }
+  curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
+  assert curves["step"] == 60 and curves["train_depths"] == [2, 4]
+  task, graphdef, params, _ = evaluate.restore_params(config, whole)
+  ev = evaluate.Evaluator(graphdef, config, task, depths=range(1, 7))
+  results, _ = ev.per_depth(params)
+  assert set(results) == set(curves["overthinking"])
+  for name, res in results.items():
+    acc = curves["overthinking"][name]["acc"]
+    np.testing.assert_allclose(acc, [res["acc"][d] for d in range(1, 7)], atol=1e-6)
+
+  rows = json.loads((whole / "analysis" / "halting.json").read_text())["halting"]
+  fixed = next(r for r in rows if r["criterion"] == "fixed")
+  for name, res in fixed["splits"].items():  # fixed = all r_max iterations
+    assert res["iterations"] == 6
+    assert res["acc"] == pytest.approx(curves["overthinking"][name]["acc"][5])
+  assert len(rows) == 1 + 4 + 3  # fixed, 4 eps, 3 patience values
+  for r in rows:
+    for res in r["splits"].values():
+      assert 1 <= res["iterations"] <= 6
