@@ -42,12 +42,16 @@ def get_config(variant: str = "cpu"):
     c.eval_every = 20
     c.log_every = 10
   elif variant == "cpu":
+    # 100 entities (LTG: 200) and d_model 64: a 2-core CPU trains this at
+    # ~40 steps/s per core. The stage threshold is 0.8, not 0.95: 2-hop
+    # held-out accuracy plateaus at 0.82-0.89 for 10k+ steps in every setting
+    # tried (docs/extrapolation_search.md).
     c.data.update(
-      num_entities=200,
+      num_entities=100,
       num_relations=10,
       max_hops=12,
       train_hops=6,
-      train_per_hop=15_000,
+      train_per_hop=7500,
       test_per_hop=200,
       probe_size=200,
       atomic_repeat=4,
@@ -55,8 +59,9 @@ def get_config(variant: str = "cpu"):
     c.model.update(d_model=64, num_heads=4, num_layers=1, num_loops=8)
     c.train.depth.update(mean=6.0, min=2, max=8)
     c.train.update(
-      batch_size=128, num_steps=30_000, lr=2e-3, warmup_steps=500, weight_decay=0.1
+      batch_size=128, num_steps=40_000, lr=2e-3, warmup_steps=500, weight_decay=0.1
     )
+    c.train.curriculum.threshold = 0.8
     c.eval.depths = (4, 6, 10, 12, 16)
     c.checkpoint.every = 2000
     c.eval_every = 500
@@ -83,10 +88,10 @@ def get_config(variant: str = "cpu"):
 
 
 def sweep(name: str = "regimes"):
-  """`regimes`: fixed R = 4, 6, 8 against the default dynamic R."""
+  """`regimes`: the default dynamic R (Poisson) against fixed R = 4, 6, 8."""
   sweeps = {
-    "regimes": [{"train.depth.dist": "fixed", "model.num_loops": r} for r in (4, 6, 8)]
-    + [{}],
+    "regimes": [{"train.depth.dist": "poisson"}]
+    + [{"train.depth.dist": "fixed", "model.num_loops": r} for r in (4, 6, 8)],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

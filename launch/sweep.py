@@ -34,7 +34,8 @@ def load_sweep(config_arg: str, name: str | None = None) -> list[dict]:
 
 
 def run_name(overrides: dict) -> str:
-  return ",".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items())
+  """`field=value,...` by the fields' last names; `default` for no overrides."""
+  return ",".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items()) or "default"
 
 
 def commands(

@@ -266,11 +266,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
       raise ConfigError(f"train.depth.mean: must be > 0; got {dd.mean!r}")
     if not (math.isfinite(dd.sigma) and dd.sigma >= 0):
       raise ConfigError(f"train.depth.sigma: must be >= 0; got {dd.sigma!r}")
-    if t.supervise != "last":
-      raise ConfigError(
-        f"train.supervise: must be 'last' with a sampled train.depth; "
-        f"got {t.supervise!r}"
-      )
   for f in ("seed", "data.seed"):
     if _get(c, f) < 0:
       raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")

@@ -27,8 +27,10 @@ from loopjax.data import pipeline
 from loopjax.state import answer_loss, answer_xent, cast, train_state
 
 
-def supervised(mode: str, R: int, hops_B):
-  """Which iterations' answers get a loss: bool (R, B), True where supervised.
+def supervised(mode: str, R: int, hops_B, depth=None):
+  """Which iterations' answers get a loss: bool (R, B), True where supervised;
+  with a sampled `depth` (traced), iterations past it never are and the last
+  is `depth`.
 
   "last": the answer after the final iteration only (the papers).
   "atomic_every": atomic facts (1 hop) after every iteration, the rest after
@@ -38,11 +40,14 @@ def supervised(mode: str, R: int, hops_B):
   "from_hops": every iteration from the example's hop count on (and the last).
   """
   t_R1, hops_1B = jnp.arange(1, R + 1)[:, None], hops_B[None]
+  last = R if depth is None else depth
   if mode == "last":
-    return jnp.broadcast_to(t_R1 == R, (R, hops_B.shape[0]))
-  if mode == "atomic_every":
-    return (t_R1 == R) | (hops_1B == 1)
-  return (t_R1 >= hops_1B) | (t_R1 == R)
+    on_RB = jnp.broadcast_to(t_R1 == last, (R, hops_B.shape[0]))
+  elif mode == "atomic_every":
+    on_RB = (t_R1 == last) | (hops_1B == 1)
+  else:
+    on_RB = (t_R1 >= hops_1B) | (t_R1 == last)
+  return on_RB & (t_R1 <= last)
 
 
 def make_train_step(graphdef, tx, model_cfg, train_cfg):
@@ -81,7 +86,7 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
         return answer_loss(logits_BV, batch["target"], label_smoothing)
       logits_BV, logits_RBV = run(params, per_iteration=True)
       # The answer sits after h r1..rk at position k: k hops.
-      on_RB = supervised(train_cfg.supervise, loops, batch["answer_pos"])
+      on_RB = supervised(train_cfg.supervise, loops, batch["answer_pos"], depth)
       loss_RB = answer_xent(logits_RBV, batch["target"][None], label_smoothing)
       loss = (loss_RB * on_RB).sum() / on_RB.sum()
       return loss, (logits_BV.argmax(-1) == batch["target"]).mean()

@@ -73,15 +73,12 @@ def test_curriculum_needs_chains():
     config_lib.validate(c)
 
 
-def test_sampled_depth_needs_a_valid_range_and_the_last_loss():
+def test_sampled_depth_needs_a_valid_range():
   c = sysgen.get_config("cpu")
   c.train.depth.update(dist="poisson", min=5, max=3)
   with pytest.raises(config_lib.ConfigError, match=r"^train.depth.min: must be >= 1"):
     config_lib.validate(c)
   c.train.depth.update(min=2, max=8)
-  with pytest.raises(config_lib.ConfigError, match=r"^train.supervise: must be 'last'"):
-    config_lib.validate(c)  # cpu uses atomic_every
-  c.train.supervise = "last"
   config_lib.validate(c)
 
 

@@ -62,3 +62,10 @@ def test_pinned_command_runs_on_one_core():
     [sys.executable, "-c", "import os; print(os.sched_getaffinity(0))"], 0
   )
   assert subprocess.run(cmd, capture_output=True, text=True).stdout.strip() == "{0}"
+
+
+def test_a_point_without_overrides_gets_its_own_workdir(tmp_path):
+  assert sweep.run_name({}) == "default"
+  assert sweep.run_name({"train.depth.dist": "fixed", "model.num_loops": 4}) == (
+    "dist=fixed,num_loops=4"
+  )

@@ -176,6 +176,20 @@ def test_supervised_iterations():
     [T, T],
   ]
   assert train.supervised("from_hops", 3, hops).tolist() == [[T, F], [T, T], [T, T]]
+  # A sampled depth of 2 in a scan to 4: nothing after it, its last is 2.
+  depth = jnp.int32(2)
+  assert train.supervised("last", 4, hops, depth).tolist() == [
+    [F, F],
+    [T, T],
+    [F, F],
+    [F, F],
+  ]
+  assert train.supervised("from_hops", 4, hops, depth).tolist() == [
+    [T, F],
+    [T, T],
+    [F, F],
+    [F, F],
+  ]
 
 
 @pytest.mark.parametrize("mode", ["last", "atomic_every"])
