@@ -243,6 +243,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   ):
     if _get(c, f) < 0:
       raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")
+  if m.pos_encoding == "rope" and (m.d_model // m.num_heads) % 2:
+    raise ConfigError(
+      f"model.num_heads: rope needs an even head dimension (d_model / num_heads); "
+      f"got {m.d_model} / {m.num_heads}"
+    )
   if m.injection == "none" and m.init_state != "embedding":
     raise ConfigError(
       f"model.init_state: must be 'embedding' when model.injection is "

@@ -18,6 +18,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from loopjax.analysis import grokking  # noqa: E402
+from loopjax.data.kg import hop_count  # noqa: E402
 from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
 
 SPLITS = (
@@ -29,16 +30,22 @@ SPLITS = (
 )
 
 
+def _accs(record: dict) -> list[str]:
+  """The splits whose accuracy at the training depth an eval record holds."""
+  return [k[5:-4] for k in record if k.startswith("eval/") and k.endswith("/acc")]
+
+
 def _evals(records: list[dict]) -> list[dict]:
-  return [r for r in records if any(k.endswith("/acc") for k in r)]
+  return [r for r in records if _accs(r)]
 
 
 def splits(records: list[dict]) -> list[str]:
   """The splits to plot: composition's probes, or chains' atomic and test_k<k>."""
-  evals = _evals(records)
-  keys = [k[5:-4] for k in evals[0] if k.startswith("eval/") and k.endswith("/acc")]
+  keys = list(dict.fromkeys(k for r in _evals(records) for k in _accs(r)))
   composition = [s for s in SPLITS if s in keys]
-  chains = sorted((k for k in keys if k.startswith("test_k")), key=lambda k: int(k[6:]))
+  chains = sorted(
+    (k for k in keys if k.startswith("test_") and hop_count(k)), key=hop_count
+  )
   return composition or (["atomic"] if "atomic" in keys else []) + chains
 
 
@@ -67,12 +74,13 @@ def plot_run(workdir: Path) -> Path:
 def plot_sweep(root: Path, runs: list[Path]) -> Path:
   """Composition: train_inferred, test_inferred_id/ood. Chains: the shortest,
   a middle and the longest held-out chains."""
-  names = list(curves(runs[0]))
-  if names[0] not in SPLITS:
-    tests = [n for n in names if n.startswith("test_k")]
-    names = [tests[0], tests[len(tests) // 2], tests[-1]]
-  fig, axes = plt.subplots(1, 3, figsize=(14, 4), sharey=True)
-  for ax, split in zip(axes, names[:3], strict=False):
+  names = list(dict.fromkeys(n for run in runs for n in curves(run)))
+  tests = [n for n in names if n not in SPLITS and n.startswith("test_")]
+  if tests:
+    names = list(dict.fromkeys([tests[0], tests[len(tests) // 2], tests[-1]]))
+  names = names[:3] or list(SPLITS[:3])  # no eval yet: empty panels
+  fig, axes = plt.subplots(1, len(names), figsize=(14, 4), sharey=True, squeeze=False)
+  for ax, split in zip(axes[0], names, strict=True):
     for run in runs:
       steps, acc = curves(run).get(split, ([], []))
       ax.plot(steps, acc, label=run.name)
@@ -156,7 +164,8 @@ def report(path: Path) -> list[Path]:
 def _style(ax, title: str) -> None:
   ax.set(xscale="log", xlabel="step", ylabel="accuracy", ylim=(0, 1.05), title=title)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
+  if ax.get_legend_handles_labels()[0]:  # a run without evals has no lines
+    ax.legend(fontsize=8)
 
 
 def _save(fig, path: Path) -> Path:

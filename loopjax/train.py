@@ -131,6 +131,27 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
+def check_task(config, task) -> None:
+  """What validation cannot see before the data are loaded (the papers' files
+  fix their own hop counts): the hops to train on and the held-out chains each
+  curriculum stage advances on must exist."""
+  if task.task != "chains":
+    return
+  if config.data.train_hops > task.max_hops:
+    raise ConfigError(
+      f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "
+      f"hops); got {config.data.train_hops}"
+    )
+  cur = config.train.curriculum
+  stages = range(cur.start, config.data.train_hops) if cur.enabled else ()
+  for k in stages:
+    if not len(task.splits[f"test_k{k}"]["target"]):
+      raise ConfigError(
+        f"train.curriculum.enabled: stage {k} advances on {k}-hop held-out "
+        f"chains and the data have none"
+      )
+
+
 def _check_writable(workdir: Path) -> None:
   """Fails now, not at the first checkpoint, if the workdir cannot be written."""
   probe = workdir / f".write-probe-{jax.process_index()}"
@@ -232,6 +253,7 @@ def train_and_evaluate(config, workdir) -> dict:
   workdir = Path(workdir)
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
+  check_task(config, task)
   _check_writable(workdir)
   record_run(config, workdir, task)
   graphdef, state, tx = train_state(config, task)
@@ -244,6 +266,11 @@ def train_and_evaluate(config, workdir) -> dict:
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
     state = restored
+    if "stage" in state and int(state["stage"]) != train_iter.stage:
+      raise ConfigError(  # saved together: only a hand-edited checkpoint differs
+        f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
+        f"but {train_iter.stage} in the data iterator"
+      )
     print(f"resumed from {workdir / 'checkpoints'} at step {start}")
   start = start or 0
   if start >= config.train.num_steps:

@@ -12,6 +12,7 @@ from conftest import losses, run
 from experiments import extrapolation
 from loopjax import evaluate, metrics, train
 from loopjax.analysis import overthinking
+from loopjax.config import ConfigError
 from loopjax.data import kg, pipeline
 from loopjax.state import train_state
 
@@ -53,7 +54,6 @@ def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
     "stage_4": 40,
   }
   assert stages(whole) == {10: 2, 20: 2, 30: 3, 40: 3, 50: 4, 60: 4}
-  # The stage's data: hops <= stage, inputs as long as the longest.
   saved = json.loads((whole / "checkpoints" / "60" / "data" / "metadata").read_text())
   assert saved["stage"] == 4
 
@@ -81,7 +81,8 @@ def test_stage_decays_the_lr(config):
   batch = next(
     pipeline.train_iterator(kg.train_split(task, 4), 32, 0, task.vocab.pad_id)
   )
-  state["step"] = jnp.int32(50)  # past warmup: a constant lr
+  for _ in range(config.train.warmup_steps + 1):  # the schedule's count lives in
+    state, _ = step(state, batch)  # opt_state: past warmup, the lr is constant
 
   def delta(stage):
     s = jax.tree.map(jnp.copy, state) | {"stage": jnp.int32(stage)}
@@ -90,8 +91,28 @@ def test_stage_decays_the_lr(config):
     return jax.tree.map(lambda a, b: b - a, state["params"], new["params"])
 
   d2, d3 = delta(2), delta(3)
+  assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(d2)) > 1e-4
   for a, b in zip(jax.tree.leaves(d2), jax.tree.leaves(d3), strict=True):
     np.testing.assert_allclose(b, 0.5 * a, rtol=1e-4, atol=1e-7)
+
+
+def test_data_must_hold_the_hops_the_config_trains_on(config):
+  """The papers' files fix their own hop counts; checked once loaded."""
+  task = kg.chains(
+    num_entities=16,
+    num_relations=4,
+    max_hops=3,
+    train_per_hop=20,
+    test_per_hop=4,
+    seed=0,
+  )
+  with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
+    train.check_task(config, task)  # train_hops 4
+  config.data.train_hops = 3
+  train.check_task(config, task)
+  task.splits["test_k2"] = kg.sample(task.splits["test_k2"], 0, seed=0)
+  with pytest.raises(ConfigError, match=r"^train.curriculum.enabled: stage 2 adv"):
+    train.check_task(config, task)
 
 
 @pytest.mark.parametrize("reset", [False, True])
@@ -160,10 +181,9 @@ def test_analyze_agrees_with_evaluation(config, whole):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert {p.name for p in (whole / "analysis").iterdir()} == {
-    "overthinking.json",
-    "overthinking.png",
-    "halting.json",
-    "halting.png",
+    f"{name}.{ext}"
+    for name in ("overthinking", "halting")
+    for ext in ("json", "md", "png")
   }
   curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
   assert curves["step"] == 60 and curves["train_depths"] == [2, 4]
@@ -184,3 +204,31 @@ def test_analyze_agrees_with_evaluation(config, whole):
   for r in rows:
     for res in r["splits"].values():
       assert 1 <= res["iterations"] <= 6
+
+
+def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
+  config.model.init_state = "random"  # the state drawn from the evaluator's key
+  task = kg.chains(
+    num_entities=16,
+    num_relations=4,
+    max_hops=3,
+    train_per_hop=20,
+    test_per_hop=8,
+    seed=0,
+  )
+  config.data.train_hops = 3
+  graphdef, state, _ = train_state(config, task)
+  ev = evaluate.Evaluator(graphdef, config, task, depths=(1, 2, 3))
+  want, _ = ev.per_depth(state["params"])
+  got = overthinking.curves(
+    graphdef,
+    state["params"],
+    "float32",
+    jax.random.key(config.seed),
+    ev.probes,
+    3,
+    64,
+    task.vocab.pad_id,
+  )
+  for name, res in want.items():
+    np.testing.assert_allclose(got[name]["acc"], [res["acc"][d] for d in (1, 2, 3)])

@@ -12,7 +12,8 @@ def fake_run(workdir, ood_final):
   with open(workdir / "metrics.jsonl", "w") as f:
     f.write(json.dumps({"step": 0, "time": 0.0, "event": "start"}) + "\n")
     for step in (100, 1000, 10000):
-      f.write(json.dumps({"step": step, "time": step / 100, "train/loss": 1.0}) + "\n")
+      train = {"train/loss": 1.0, "train/acc": 0.5}
+      f.write(json.dumps({"step": step, "time": step / 100} | train) + "\n")
       acc = {s: min(1.0, step / 1000) for s in report.SPLITS}
       acc["test_inferred_ood"] = ood_final * step / 10000
       f.write(
@@ -59,3 +60,42 @@ def test_wall_times_add_up_resumed_segments():
 def test_nothing_to_report(tmp_path):
   with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
     report.report(tmp_path)
+
+
+def fake_chains_run(workdir, evals=True):
+  workdir.mkdir(parents=True)
+  with open(workdir / "metrics.jsonl", "w") as f:
+    f.write(json.dumps({"step": 0, "time": 0.0, "event": "start"}) + "\n")
+    for step in (500, 1000):
+      train = {"train/loss": 1.0, "train/acc": 0.5, "train/stage": 2}
+      f.write(json.dumps({"step": step, "time": step / 100} | train) + "\n")
+      if evals:
+        acc = {"atomic": 1.0, "train_k2": 0.9} | {
+          f"test_k{k}": step / 1000 / k for k in (2, 3, 4, 10)
+        }
+        f.write(
+          json.dumps({"step": step} | {f"eval/{s}/acc": a for s, a in acc.items()})
+          + "\n"
+        )
+  (workdir / "phases.json").write_text(json.dumps({"stage_3": 500} if evals else {}))
+
+
+def test_chains_runs_plot_held_out_hops_and_curriculum_stages(tmp_path):
+  fake_chains_run(tmp_path / "a")
+  fake_chains_run(tmp_path / "b", evals=False)  # no eval yet
+  assert list(report.curves(tmp_path / "a")) == [
+    "atomic",
+    "test_k2",
+    "test_k3",
+    "test_k4",
+    "test_k10",
+  ]
+  assert report.curves(tmp_path / "b") == {}
+  paths = report.report(tmp_path)
+  lines = paths[-1].read_text().splitlines()
+  assert lines[0].startswith("| run | steps | wall | steps/s | stage_3 | atomic/acc |")
+  # final accuracies: atomic, test_k2, 3, 4, 10 at step 1000
+  assert (
+    lines[2]
+    == "| a | 1000 | 10 s | - | 500 / 5 s | 1.000 | 0.500 | 0.333 | 0.250 | 0.100 |"
+  )

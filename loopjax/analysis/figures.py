@@ -1,4 +1,4 @@
-"""Figures and one-line summaries of `--mode=analyze` results."""
+"""Figures, markdown tables and one-line summaries of `--mode=analyze` results."""
 
 from pathlib import Path
 
@@ -8,16 +8,15 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def _hops(split: str) -> int | None:
-  """k of a chains test split `test_k<k>`, else None."""
-  return int(split.rpartition("_k")[2]) if split.startswith("test_k") else None
+from loopjax.data.kg import hop_count  # noqa: E402
 
 
 def _lines(names):
   """(split, label, colour): chains' test splits by k on one colour scale, or
   every split (composition)."""
-  tests = sorted((k, n) for n in names if (k := _hops(n)) is not None)
+  tests = sorted(
+    (k, n) for n in names if n.startswith("test_") and (k := hop_count(n)) is not None
+  )
   if not tests:
     return [(n, n, None) for n in names]
   cmap = plt.get_cmap("viridis")
@@ -116,6 +115,35 @@ def summary(name: str, report: dict) -> str:
     for r in _defaults(rows)
     for a, i in [_pooled(r, tests)]
   )
+
+
+def table(name: str, report: dict) -> str:
+  """Markdown. Overthinking: per split, accuracy (mean margin) at R = 1, 2, 4,
+  ... and the best R. Halting: per rule, accuracy / mean iterations per split."""
+  if name == "overthinking":
+    curves = report[name]
+    R = len(next(iter(curves.values()))["acc"])
+    depths = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= R]
+    head = ["split", *(f"R={d}" for d in depths), "best R"]
+    lines = []
+    for split, c in curves.items():
+      best = int(np.argmax(c["acc"])) + 1
+      cells = [f"{c['acc'][d - 1]:.3f} ({c['margin'][d - 1]:+.1f})" for d in depths]
+      lines.append([split, *cells, f"{best} ({c['acc'][best - 1]:.3f})"])
+  else:
+    rows = report[name]
+    splits = _test_splits(rows)
+    head = ["rule", "all: acc / iters", *splits]
+    lines = []
+    for r in rows:
+      acc, iters = _pooled(r, splits)
+      cells = [
+        f"{r['splits'][n]['acc']:.3f} / {r['splits'][n]['iterations']:.1f}"
+        for n in splits
+      ]
+      lines.append([_name(r), f"{acc:.3f} / {iters:.1f}", *cells])
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  return "\n".join(out + ["| " + " | ".join(x) + " |" for x in lines]) + "\n"
 
 
 def _save(fig, path: Path) -> Path:

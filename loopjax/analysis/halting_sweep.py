@@ -31,8 +31,9 @@ def settings(cfg) -> list[dict]:
   return grid
 
 
-def table(graphdef, params, dtype, probes: dict, cfg, batch_size: int, pad) -> list:
-  """[{criterion, thresholds..., splits: {split: {acc, iterations}}}]."""
+def table(graphdef, params, dtype, key, probes: dict, cfg, batch_size: int, pad):
+  """[{criterion, thresholds..., splits: {split: {acc, iterations}}}]; `key` as
+  in overthinking.curves."""
 
   @functools.partial(jax.jit, static_argnames="criterion")
   def run(params, batch, eps, tau, patience, *, criterion):
@@ -47,6 +48,7 @@ def table(graphdef, params, dtype, probes: dict, cfg, batch_size: int, pad) -> l
       eps=eps,
       tau=tau,
       patience=patience,
+      key=key,
     )
     return logp_BV.argmax(-1) == batch["target"], iters_B
 

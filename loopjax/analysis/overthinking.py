@@ -25,14 +25,21 @@ def margin(logits_RBV, target_B):
   return answer_RB - others_RBV.max(-1)
 
 
-def curves(graphdef, params, dtype, probes: dict, max_depth: int, batch_size: int, pad):
-  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations."""
+def curves(
+  graphdef, params, dtype, key, probes: dict, max_depth: int, batch_size: int, pad
+):
+  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations; `key`
+  draws a random initial state (model.init_state random), as evaluations do."""
 
   @jax.jit
   def step(params, batch):
     model = nnx.merge(graphdef, cast(params, dtype))
     _, logits_RBV = model(
-      batch["inputs"], batch["answer_pos"], num_loops=max_depth, per_iteration=True
+      batch["inputs"],
+      batch["answer_pos"],
+      num_loops=max_depth,
+      per_iteration=True,
+      key=key,
     )
     return margin(logits_RBV, batch["target"])
 

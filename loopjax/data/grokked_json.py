@@ -1,4 +1,5 @@
-"""The Grokked Transformers JSON directory format for 2-hop composition.
+"""The papers' JSON directory formats: Grokked Transformers' 2-hop composition and
+LTG's k-hop chains.
 
 Lets loopjax train and evaluate on the very examples the papers' scripts made, and
 hand ours back to their code. The format is described in DATA_FORMATS.md.
@@ -64,10 +65,6 @@ def _export_chains(data: kg.TaskData, out_dir: Path, items) -> None:
   ks = range(2, data.max_hops + 1)
   sp = data.splits
 
-  def sample(split, n, seed):
-    keep = np.sort(np.random.default_rng(seed).permutation(len(split["target"]))[:n])
-    return {key: column[keep] for key, column in split.items()}
-
   def chained(*parts):
     for part in parts:
       yield from part
@@ -82,15 +79,15 @@ def _export_chains(data: kg.TaskData, out_dir: Path, items) -> None:
   test = list(
     chained(
       *(items(sp[f"test_k{k}"], f"{k}hop_test") for k in ks),
-      items(sample(sp["atomic"], 2000, 1), "atomic_facts"),
-      *(items(sample(sp[f"train_k{k}"], 2000, k), f"{k}hop_train") for k in ks),
+      items(kg.sample(sp["atomic"], 2000, 1), "atomic_facts"),
+      *(items(kg.sample(sp[f"train_k{k}"], 2000, k), f"{k}hop_train") for k in ks),
     )
   )
   _write(out_dir / "test.json", test)
   _write(out_dir / "valid.json", test)
   _write(
     out_dir / "test_small.json",
-    chained(*(items(sample(sp[f"test_k{k}"], 50, k), f"{k}hop_test") for k in ks)),
+    chained(*(items(kg.sample(sp[f"test_k{k}"], 50, k), f"{k}hop_test") for k in ks)),
   )
 
 
@@ -137,21 +134,29 @@ def _composition_len(type_) -> int:
 _HOP_TYPE = re.compile(r"(\d+)hop_(train|test)")
 
 
-def _chain_len(type_) -> int:
-  if type_ in ("atomic", "atomic_facts"):
-    return 2
-  if not (isinstance(type_, str) and (m := _HOP_TYPE.fullmatch(type_))):
-    raise ValueError(
-      f"unknown type {type_!r}; expected atomic, atomic_facts or <k>hop_train/test"
-    )
-  return int(m[1]) + 1
+def _chain_len(atomic: str, splits: tuple[str, ...]):
+  """The input length of a k-hop file's type: `atomic` for its atomic facts,
+  `<k>hop_<split>` (k >= 2) for chains."""
+
+  def length(type_) -> int:
+    if type_ == atomic:
+      return 2
+    m = _HOP_TYPE.fullmatch(type_) if isinstance(type_, str) else None
+    if not (m and int(m[1]) >= 2 and m[2] in splits):
+      kinds = " or ".join(f"<k>hop_{s}" for s in splits)
+      raise ValueError(f"unknown type {type_!r}; expected {atomic} or {kinds}")
+    return int(m[1]) + 1
+
+  return length
 
 
 def _load_chains(dir_: Path, vocab: kg.Vocab, ids: dict) -> kg.TaskData:
   """Atomic facts and train chains from train.json, test chains from test.json
   (its sampled atomic facts and train chains repeat train.json's)."""
-  train = _facts(dir_ / "train.json", vocab, ids, _chain_len)
-  test = _facts(dir_ / "test.json", vocab, ids, _chain_len)
+  train = _facts(dir_ / "train.json", vocab, ids, _chain_len("atomic", ("train",)), 2)
+  test = _facts(
+    dir_ / "test.json", vocab, ids, _chain_len("atomic_facts", ("test", "train")), 2
+  )
   K = max(train["inputs"].shape[1], test["inputs"].shape[1]) - 1
   tail_ER = _atomic_table(train, vocab)
   splits = {"atomic": _chains(train, tail_ER, vocab, "train.json", K, "atomic")}

@@ -28,7 +28,6 @@ SPLITS = (
   "test_inferred_ood",
 )
 PROBES = SPLITS[1:]
-TASKS = ("composition", "chains")
 
 
 def split_names(task: str, params: dict) -> tuple[str, ...]:
@@ -63,9 +62,22 @@ class Vocab:
     return self.pad_id + 1
 
 
-# "inputs" (N, 3) int32: [h, r, pad] for atomic facts, [h, r1, r2] for inferred ones;
-# "target" (N,) int32; "bridge" (N,) int32, -1 for atomic facts.
+# Columns (int32; shapes: column_shapes). Composition: "inputs" (N, 3), [h, r, pad]
+# for atomic facts, [h, r1, r2] for inferred ones; "target" (N,); "bridge" (N,),
+# -1 for atomic facts. Chains: "inputs" (N, K + 1), "target", "bridges" (N, K - 1).
 Split = dict[str, np.ndarray]
+
+
+def hop_count(split_name: str) -> int | None:
+  """k of a chains split named `train_k<k>` / `test_k<k>`, else None."""
+  head, sep, k = split_name.rpartition("_k")
+  return int(k) if sep and head in ("train", "test") and k.isdigit() else None
+
+
+def sample(split: Split, n: int, seed: int) -> Split:
+  """n examples of a split (all if fewer), the same for the same seed, in order."""
+  keep = np.sort(np.random.default_rng(seed).permutation(len(split["target"]))[:n])
+  return {key: column[keep] for key, column in split.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +92,7 @@ class TaskData:
     return self.splits[next(iter(self.splits))]["inputs"].shape[1] - 1
 
 
-def train_split(data: TaskData, max_hops: int | None = None) -> Split:
+def train_split(data: TaskData, max_hops: int) -> Split:
   """What training samples from: composition's `train`; for chains, the atomic
   facts and the train chains of up to `max_hops` hops (a curriculum stage),
   padded to max_hops + 1 tokens only (compute grows with length)."""
@@ -105,12 +117,11 @@ def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Spli
     return {n: data.splits[n] for n in names if len(data.splits[n]["target"])}
   out = {}
   for name, split in data.splits.items():
-    k = int(name.rpartition("_k")[2]) if "_k" in name else 1
+    k = hop_count(name) or 1  # the atomic facts: 1 hop
     if name.startswith("test_"):
       out[name] = split
     elif k <= train_hops:
-      keep = np.random.default_rng(k).permutation(len(split["target"]))[:size]
-      out[name] = {key: column[np.sort(keep)] for key, column in split.items()}
+      out[name] = sample(split, size, seed=k)
   return {n: s for n, s in out.items() if len(s["target"])}
 
 
