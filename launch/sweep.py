@@ -6,8 +6,9 @@
 `sweep(name)` in the experiment file returns a list of {field: value} overrides
 (`--sweep` picks which of the file's sweeps; default its first); run k of it
 trains in `<root>/<field=value,...>`. With --parallel=N, N runs go at
-once, run i pinned to core i % N (on 2 cores two pinned runs finish a sweep ~1.36x
-sooner than one run after another: docs/performance.md). A rerun resumes or skips
+once, each pinned to its own core; when one ends, the next run takes its core
+(on 2 cores two pinned runs finish a sweep ~1.36x sooner than one run after
+another: docs/performance.md). A rerun resumes or skips
 finished runs, since each run resumes from its own workdir.
 """
 
@@ -17,6 +18,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -73,11 +75,15 @@ def main(argv=None) -> int:
     return 0
   args.root.mkdir(parents=True, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
+  free = [cores[i % len(cores)] for i in range(args.parallel)]
   failed, active = [], []
-  for i, (name, cmd) in enumerate(runs):
-    if len(active) == args.parallel:
-      failed += _wait(active.pop(0))
-    core = cores[i % len(cores)] if args.parallel > 1 else None
+  for name, cmd in runs:
+    if len(active) == args.parallel:  # the next run takes the first core to free
+      done = _wait_any(active)
+      failed += _wait(done)
+      active.remove(done)
+      free.append(done[3])
+    core = free.pop(0) if args.parallel > 1 else None
     log = open(args.root / f"{name}.log", "a")
     proc = subprocess.Popen(
       cmd if core is None else _pinned(cmd, core),
@@ -85,7 +91,7 @@ def main(argv=None) -> int:
       stderr=subprocess.STDOUT,
     )
     print(f"started {name} (pid {proc.pid}{'' if core is None else f', core {core}'})")
-    active.append((name, proc, log))
+    active.append((name, proc, log, core))
   for job in active:
     failed += _wait(job)
   print(
@@ -104,8 +110,17 @@ def _pinned(cmd: list, core: int) -> list:
   return [sys.executable, "-c", pin % core, *cmd]
 
 
+def _wait_any(active: list, poll_s: float = 1.0):
+  """The first of the running jobs to finish."""
+  while True:
+    for job in active:
+      if job[1].poll() is not None:
+        return job
+    time.sleep(poll_s)
+
+
 def _wait(job) -> list[str]:
-  name, proc, log = job
+  name, proc, log, _ = job
   proc.wait()
   log.close()
   return [] if proc.returncode == 0 else [name]

@@ -6,9 +6,12 @@ state; the loop dispatches step N before it reads step N-1's metrics, so the hos
 never waits on the device just to log.
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
+import os
 import signal
 import time
 from functools import partial
@@ -255,6 +258,31 @@ def train_and_evaluate(config, workdir) -> dict:
   task = data.load(config.data)  # bad data settings fail before the workdir exists
   check_task(config, task)
   _check_writable(workdir)
+  with _exclusive(workdir):
+    return _train(config, workdir, task)
+
+
+@contextlib.contextmanager
+def _exclusive(workdir: Path):
+  """One trainer per workdir: a second would interleave checkpoints and logs.
+  The OS drops the lock when the process ends, however it ends."""
+  with open(workdir / f".train-{jax.process_index()}.lock", "a+") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      raise ConfigError(
+        f"--workdir={workdir}: another process (pid {f.read().strip() or '?'}) "
+        "is training there; wait for it to end or use a new --workdir"
+      ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    yield
+
+
+def _train(config, workdir: Path, task) -> dict:
   record_run(config, workdir, task)
   graphdef, state, tx = train_state(config, task)
   train_step = make_train_step(graphdef, tx, config.model, config.train)

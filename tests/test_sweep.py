@@ -1,5 +1,6 @@
 """The local sweep launcher: names, commands, and a real two-run sweep."""
 
+import json
 from pathlib import Path
 
 from launch import sweep
@@ -69,3 +70,29 @@ def test_a_point_without_overrides_gets_its_own_workdir(tmp_path):
   assert sweep.run_name({"train.depth.dist": "fixed", "model.num_loops": 4}) == (
     "dist=fixed,num_loops=4"
   )
+
+
+def test_the_next_run_takes_the_first_core_to_free(tmp_path, monkeypatch):
+  """A slow first run must not hold back the third: it starts when the second
+  ends, on the second's core."""
+  import os
+  import sys
+
+  def job(name, seconds):
+    code = (
+      "import json, os, sys, time; t = time.time(); time.sleep(float(sys.argv[1]));"
+      "json.dump({'start': t, 'end': time.time(), 'cores': sorted("
+      "os.sched_getaffinity(0))}, open(sys.argv[2], 'w'))"
+    )
+    return name, [sys.executable, "-c", code, str(seconds), str(tmp_path / name)]
+
+  jobs = [job("slow", 4), job("fast", 0.1), job("third", 0.1)]
+  monkeypatch.setattr(sweep, "commands", lambda *_: jobs)
+  assert sweep.main(["--config=x", f"--root={tmp_path}", "--parallel=2"]) == 0
+  out = {n: json.loads((tmp_path / n).read_text()) for n, _ in jobs}
+  cores = sorted(os.sched_getaffinity(0))
+  assert out["slow"]["cores"] == [cores[0]] and out["fast"]["cores"] == [
+    cores[1 % len(cores)]
+  ]
+  assert out["third"]["cores"] == out["fast"]["cores"]
+  assert out["third"]["start"] < out["slow"]["end"]

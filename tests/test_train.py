@@ -69,6 +69,33 @@ def test_conflicting_workdir_is_refused_and_untouched(tiny_config, tmp_path):
   assert before == {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
 
 
+def test_a_second_trainer_in_the_same_workdir_is_refused(tiny_config, tmp_path):
+  """A process holding the workdir's lock (as a running trainer does) keeps a
+  second one out before it writes anything."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  holder = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+      "fcntl.flock(f, fcntl.LOCK_EX); f.write('4242'); f.flush(); "
+      "print('held', flush=True); time.sleep(60)",
+      str(workdir / ".train-0.lock"),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    with pytest.raises(ConfigError, match=r"another process \(pid 4242\) is train"):
+      train.train_and_evaluate(tiny_config, workdir)
+    assert sorted(p.name for p in workdir.iterdir()) == [".train-0.lock"]
+  finally:
+    holder.kill()
+    holder.wait()
+
+
 def test_eval_mode_reads_checkpoint_at_several_depths(tiny_config, tmp_path):
   last = train.train_and_evaluate(tiny_config, tmp_path)
   tiny_config.eval.depths = (1, 2, 4)

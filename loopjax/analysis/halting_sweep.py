@@ -20,8 +20,10 @@ def settings(cfg) -> list[dict]:
   """The (criterion, threshold) grid from the `analyze.halting` config."""
   grid = []
   for criterion in cfg.criteria:
-    if criterion in ("kl_entropy", "kl", "kl_reverse", "latent"):
+    if criterion == "kl_entropy":
       grid += [{"criterion": criterion, "eps": e, "tau": cfg.tau} for e in cfg.eps]
+    elif criterion in ("kl", "kl_reverse", "latent"):
+      grid += [{"criterion": criterion, "eps": e} for e in cfg.eps]
     elif criterion == "entropy":
       grid += [{"criterion": criterion, "tau": t} for t in cfg.tau_grid]
     elif criterion == "argmax":
