@@ -45,7 +45,7 @@ BAD_CHAINS = [
   ("analyze.halting.criteria", ("kl", "x"), "analyze.halting.criteria: each must"),
   ("analyze.halting.r_min", 17, "analyze.halting.r_min: must be <= analyze.halting"),
   ("analyze.max_depth", 0, "analyze.max_depth: must be >= 1"),
-  ("model.num_heads", 32, "model.num_heads: rope needs an even head dimension"),
+  ("model.num_heads", 64, "model.num_heads: rope needs an even head dimension"),
 ]
 
 
