@@ -72,14 +72,14 @@ def plot_run(workdir: Path) -> Path:
 
 
 def plot_sweep(root: Path, runs: list[Path]) -> Path:
-  """Composition: train_inferred, test_inferred_id/ood. Chains: the shortest,
-  a middle and the longest held-out chains."""
+  """Composition: train_inferred, test_inferred_id/ood. Chains: held-out
+  chains of the four fewest hop counts (where a curriculum is at work)."""
   names = list(dict.fromkeys(n for run in runs for n in curves(run)))
   tests = [n for n in names if n not in SPLITS and n.startswith("test_")]
-  if tests:
-    names = list(dict.fromkeys([tests[0], tests[len(tests) // 2], tests[-1]]))
-  names = names[:3] or list(SPLITS[:3])  # no eval yet: empty panels
-  fig, axes = plt.subplots(1, len(names), figsize=(14, 4), sharey=True, squeeze=False)
+  names = tests[:4] if tests else names[:3] or list(SPLITS[:3])  # no eval: empty
+  fig, axes = plt.subplots(
+    1, len(names), figsize=(4.7 * len(names), 4), sharey=True, squeeze=False
+  )
   for ax, split in zip(axes[0], names, strict=True):
     for run in runs:
       steps, acc = curves(run).get(split, ([], []))
