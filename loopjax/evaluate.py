@@ -18,6 +18,20 @@ from loopjax.data import kg, pipeline
 from loopjax.state import cast, train_state
 
 
+def logits_per_iteration(graphdef, params, dtype: str, batch, num_loops: int, key):
+  """Answer logits after each iteration 1..num_loops, (R, B, V); `key` draws a
+  random initial state (model.init_state random). Traced inside callers' jit."""
+  model = nnx.merge(graphdef, cast(params, dtype))
+  _, logits_RBV = model(
+    batch["inputs"],
+    batch["answer_pos"],
+    num_loops=num_loops,
+    per_iteration=True,
+    key=key,
+  )
+  return logits_RBV
+
+
 class Evaluator:
   """Evaluates params on the task's probe splits (`data.probes`)."""
 
@@ -39,14 +53,7 @@ class Evaluator:
     @jax.jit
     def eval_step(params, batch):
       """Per example and depth: cross-entropy and whether the argmax is right."""
-      model = nnx.merge(graphdef, cast(params, dtype))
-      _, logits_RBV = model(
-        batch["inputs"],
-        batch["answer_pos"],
-        num_loops=R_eval,
-        per_iteration=True,
-        key=key,
-      )
+      logits_RBV = logits_per_iteration(graphdef, params, dtype, batch, R_eval, key)
       target_B = batch["target"]
       loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
         logits_RBV, target_B

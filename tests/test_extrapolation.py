@@ -40,6 +40,11 @@ def whole(data_dir, tmp_path_factory):
   return workdir
 
 
+def small_chains(**kw):
+  """A 16-entity, 4-relation chains task, in memory."""
+  return kg.chains(**{"num_entities": 16, "num_relations": 4, "seed": 0} | kw)
+
+
 def stages(workdir):
   return {
     r["step"]: r["train/stage"]
@@ -68,14 +73,7 @@ def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
 
 def test_stage_decays_the_lr(config):
   config.train.curriculum.lr_decay = 0.5
-  task = kg.chains(
-    num_entities=16,
-    num_relations=4,
-    max_hops=5,
-    train_per_hop=50,
-    test_per_hop=8,
-    seed=0,
-  )
+  task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
   graphdef, state, tx = train_state(config, task)
   step = train.make_train_step(graphdef, tx, config.model, config.train)
   batch = next(
@@ -98,14 +96,7 @@ def test_stage_decays_the_lr(config):
 
 def test_data_must_hold_the_hops_the_config_trains_on(config):
   """The papers' files fix their own hop counts; checked once loaded."""
-  task = kg.chains(
-    num_entities=16,
-    num_relations=4,
-    max_hops=3,
-    train_per_hop=20,
-    test_per_hop=4,
-    seed=0,
-  )
+  task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=4)
   with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
     train.check_task(config, task)  # train_hops 4
   config.data.train_hops = 3
@@ -120,14 +111,7 @@ def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
   import types
 
   config.train.curriculum.update(threshold=0.9, reset_optimizer=reset)
-  task = kg.chains(
-    num_entities=16,
-    num_relations=4,
-    max_hops=5,
-    train_per_hop=50,
-    test_per_hop=8,
-    seed=0,
-  )
+  task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
   _, state, tx = train_state(config, task)
   state["opt_state"] = jax.tree.map(lambda x: x + 1, state["opt_state"])
   made = []
@@ -208,14 +192,7 @@ def test_analyze_agrees_with_evaluation(config, whole):
 
 def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
   config.model.init_state = "random"  # the state drawn from the evaluator's key
-  task = kg.chains(
-    num_entities=16,
-    num_relations=4,
-    max_hops=3,
-    train_per_hop=20,
-    test_per_hop=8,
-    seed=0,
-  )
+  task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=8)
   config.data.train_hops = 3
   graphdef, state, _ = train_state(config, task)
   ev = evaluate.Evaluator(graphdef, config, task, depths=(1, 2, 3))

@@ -8,10 +8,9 @@ beyond its training depth may undo the answer ("overthinking"): the margin
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from loopjax.data import pipeline
-from loopjax.state import cast
+from loopjax.evaluate import logits_per_iteration
 
 
 def margin(logits_RBV, target_B):
@@ -33,14 +32,7 @@ def curves(
 
   @jax.jit
   def step(params, batch):
-    model = nnx.merge(graphdef, cast(params, dtype))
-    _, logits_RBV = model(
-      batch["inputs"],
-      batch["answer_pos"],
-      num_loops=max_depth,
-      per_iteration=True,
-      key=key,
-    )
+    logits_RBV = logits_per_iteration(graphdef, params, dtype, batch, max_depth, key)
     return margin(logits_RBV, batch["target"])
 
   out = {}
