@@ -473,3 +473,11 @@ def test_train_split_is_a_curriculum_stage_and_probes_sample(chains):
   assert len(probes["test_k5"]["target"]) == 10  # test splits whole
   rows = {tuple(r) for r in chains.splits["train_k2"]["inputs"].tolist()}
   assert {tuple(r) for r in probes["train_k2"]["inputs"].tolist()} <= rows
+
+
+def test_tfds_custom_config_warning_is_silenced(tmp_path, caplog):
+  caplog.set_level("INFO")
+  tfds_kg.read(_data_cfg(tmp_path))
+  messages = [r.getMessage() for r in caplog.records]
+  assert any("kg_composition" in m for m in messages)  # TFDS's other logs still pass
+  assert not any("custom data configuration" in m for m in messages)

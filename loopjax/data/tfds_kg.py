@@ -8,6 +8,7 @@ argument of the task's generator, so different settings never share files.
 
 import dataclasses
 import fcntl
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,17 @@ import tensorflow_datasets as tfds
 
 from loopjax.config import ConfigError
 from loopjax.data import kg
+
+
+class _NoCustomConfigWarning(logging.Filter):
+  """TFDS warns about every builder config it does not predefine; ours never
+  are (one per generator argument set), so the warning is noise on every run."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Using custom data configuration")
+
+
+logging.getLogger("absl").addFilter(_NoCustomConfigWarning())
 
 
 @dataclasses.dataclass(frozen=True)
