@@ -12,6 +12,8 @@ a kill mid-write leaves no step directory to restore from.
 """
 
 import contextlib
+import os
+import re
 import shutil
 from pathlib import Path
 
@@ -123,7 +125,26 @@ def _writing():
   try:
     yield
   except (OSError, ValueError) as e:  # tensorstore reports I/O errors as ValueError
-    raise WriteError(f"a checkpoint write failed: {first_line(e)}") from e
+    line, reason = first_line(e), _os_reason(e)
+    if reason and reason not in line:
+      line = f"{reason}: {line}"
+    raise WriteError(f"a checkpoint write failed: {line}") from e
+
+
+def _os_reason(e: BaseException) -> str:
+  """The OS's words for the error ("File too large"), put before the library's.
+
+  Tensorstore's messages can run past what first_line keeps and then carry the
+  cause only as `os_error_code='27'`; the errno is looked up in the exception
+  chain first, then in the message.
+  """
+  while e is not None:
+    if isinstance(e, OSError) and e.errno:
+      return os.strerror(e.errno)
+    if m := re.search(r"os_error_code='?(\d+)", str(e)):
+      return os.strerror(int(m.group(1)))
+    e = e.__cause__ or e.__context__
+  return ""
 
 
 def restore(

@@ -298,3 +298,18 @@ def test_unusable_paths_fail_in_one_line(tmp_path, flag, message):
   assert lines[0].startswith("error: " + message.format(f=blocker)), lines
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run").exists()  # nothing created
+
+
+@pytest.mark.parametrize(
+  "error",
+  [
+    # tensorstore: the cause only as a code at the end of a message too long to keep
+    ValueError("x" * 500 + " [os_error_code='27'] " + "y" * 500),
+    OSError(27, "File too large"),
+  ],
+)
+def test_a_failed_write_names_the_os_error_once(error):
+  with pytest.raises(checkpoint.WriteError) as raised:
+    with checkpoint._writing():
+      raise error
+  assert str(raised.value).count("File too large") == 1, raised.value
