@@ -24,6 +24,9 @@ from pathlib import Path
 
 def load_sweep(config_arg: str, name: str | None = None) -> list[dict]:
   path = config_arg.split(":", 1)[0]
+  # Experiment files import each other as `experiments.<name>` (as loopjax.main
+  # run from the repository root sees them).
+  sys.path.insert(0, str(Path(path).resolve().parent.parent))
   spec = importlib.util.spec_from_file_location("experiment", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

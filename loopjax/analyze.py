@@ -3,16 +3,34 @@
 Writes `workdir/analysis/<name>.json` (with the step and data fingerprint),
 `<name>.md` (a table) and `<name>.png`. Analyses are pure functions of the
 restored params and the probe splits (`data.probes`); nothing here trains or
-moves a checkpoint.
+moves a checkpoint. The mechanistic ones (logit lens, fixed points, attention,
+massive activations) share one traced forward pass per batch
+(`LoopedTransformer.trace`); the logit lens also runs on each grokking phase's
+checkpoint (`analyze.lens_phases`).
 """
 
 import json
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from loopjax import data, evaluate
-from loopjax.analysis import figures, halting_sweep, overthinking
+from loopjax.analysis import (
+  activations,
+  attention,
+  figures,
+  fixed_points,
+  grokking,
+  halting_sweep,
+  logit_lens,
+  mechanistic_figures,
+  overthinking,
+)
+from loopjax.data import kg, pipeline
+from loopjax.state import cast
+
+MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
 
 
 def train_depths(config) -> list[int]:
@@ -21,6 +39,14 @@ def train_depths(config) -> list[int]:
   if dd.dist == "fixed":
     return [config.model.num_loops]
   return [dd.min, dd.max]
+
+
+def main_split(config) -> str:
+  """The held-out split the figures single out: OOD composition, or the
+  deepest trained k."""
+  if config.data.task == "composition":
+    return "test_inferred_ood"
+  return f"test_k{config.data.train_hops}"
 
 
 def analyze(config, workdir, step: int | None = None) -> list[Path]:
@@ -36,20 +62,84 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
     "step": step,
     "fingerprint": data.fingerprint(task),
     "train_depths": train_depths(config),
+    "main_split": main_split(config),
   }
+  traced = trace_all(config, graphdef, params, probes, pad, a.names)
+  if "logit_lens" in a.names and a.lens_phases:
+    traced["logit_lens_phases"] = lens_phases(config, workdir, probes, pad)
   written = []
   for name in a.names:
     if name == "overthinking":
       result = overthinking.curves(*args, a.max_depth, batch, pad)
-      plot = figures.overthinking
-    else:
+    elif name == "halting":
       result = halting_sweep.table(*args, a.halting, batch, pad)
-      plot = figures.halting
+    else:
+      result = traced[name]
     report = head | {name: result}
+    if name == "logit_lens" and "logit_lens_phases" in traced:
+      report["phases"] = traced["logit_lens_phases"]
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(report, indent=2))
     table = out_dir / f"{name}.md"
-    table.write_text(figures.table(name, report))
-    written += [path, table, plot(report, out_dir / f"{name}.png")]
-    print(f"{name}: " + figures.summary(name, report))
+    view = figures if name in ("overthinking", "halting") else mechanistic_figures
+    table.write_text(view.table(name, report))
+    written += [path, table, *view.plot(name, report, out_dir)]
+    print(f"{name}: " + view.summary(name, report))
   return written
+
+
+def trace_all(config, graphdef, params, probes, pad, names) -> dict:
+  """{name: {split: summary}} for the mechanistic analyses among `names`, from
+  one traced pass per batch to analyze.max_depth iterations."""
+  names = [n for n in names if n in MECHANISTIC]
+  if not names:
+    return {}
+  a, dtype, key = config.analyze, config.model.dtype, jax.random.key(config.seed)
+
+  @jax.jit
+  def step(params, batch):
+    model = nnx.merge(graphdef, cast(params, dtype))
+    trace = model.trace(batch["inputs"], a.max_depth, key)
+    out = {}
+    if "logit_lens" in names:
+      out["logit_lens"] = logit_lens.per_example(model, trace, batch)
+    for name, module in (
+      ("fixed_points", fixed_points),
+      ("attention", attention),
+      ("activations", activations),
+    ):
+      if name in names:
+        out[name] = module.per_example(trace, batch, pad)
+    return out
+
+  out = {n: {} for n in names}
+  for split_name, split in probes.items():
+    split = split | {"bridge": kg.first_bridge(split)}
+    ex = pipeline.map_batches(
+      lambda b: step(params, b), split, a.batch_size, pad, columns=("bridge",)
+    )
+    for name in names:
+      if name == "logit_lens":
+        summary = logit_lens.summarize(ex[name], split["bridge"])
+      elif name == "fixed_points":
+        summary = fixed_points.summarize(ex[name], a.tol)
+      elif name == "attention":
+        summary = attention.summarize(ex[name])
+      else:
+        summary = activations.summarize(ex[name], config.model.d_model)
+      out[name][split_name] = summary
+  return out
+
+
+def lens_phases(config, workdir: Path, probes, pad) -> list[dict]:
+  """The logit lens on each grokking phase's checkpoint (phases.json), in step
+  order: [{"phase", "step", "logit_lens": {split: summary}}]; phases whose
+  checkpoint is gone are left out."""
+  out = []
+  for phase, step in sorted(grokking.load(workdir).items(), key=lambda x: x[1]):
+    if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
+      continue
+    _, graphdef, params, _ = evaluate.restore_params(config, workdir, step)
+    lens = trace_all(config, graphdef, params, probes, pad, ["logit_lens"])
+    out.append({"phase": phase, "step": step, **lens})
+  return out

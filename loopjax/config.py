@@ -35,7 +35,14 @@ HALTING_CRITERIA = (
   "argmax",
   "fixed",
 )
-ANALYSES = ("overthinking", "halting")
+ANALYSES = (
+  "overthinking",
+  "halting",
+  "logit_lens",
+  "fixed_points",
+  "attention",
+  "activations",
+)
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -150,9 +157,16 @@ def base() -> ml_collections.ConfigDict:
   # `--mode=analyze`: overthinking curves to max_depth iterations; the halting
   # table over each criterion's thresholds (eps: KL / latent change, tau:
   # entropy in nats, patience: argmax streak), up to r_max iterations.
+  # The mechanistic analyses (logit_lens, fixed_points, attention, activations)
+  # trace every layer to max_depth iterations, batch_size examples at a time;
+  # tol: the relative change under which a layer counts as converged;
+  # lens_phases: the logit lens also runs on each grokking phase's checkpoint.
   c.analyze = dict(
     names=ANALYSES,
     max_depth=64,
+    batch_size=256,
+    tol=1e-3,
+    lens_phases=True,
     halting=dict(
       criteria=HALTING_CRITERIA,
       r_min=1,
@@ -295,7 +309,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"analyze.halting.criteria: each must be one of "
         f"{', '.join(HALTING_CRITERIA)}; got {name!r}"
       )
-  _positive(c, "analyze.max_depth", "analyze.halting.r_min", "analyze.halting.r_max")
+  _positive(
+    c,
+    "analyze.max_depth",
+    "analyze.batch_size",
+    "analyze.halting.r_min",
+    "analyze.halting.r_max",
+  )
+  if not a.tol > 0:
+    raise ConfigError(f"analyze.tol: must be > 0; got {a.tol!r}")
   if a.halting.r_min > a.halting.r_max:
     raise ConfigError(
       f"analyze.halting.r_min: must be <= analyze.halting.r_max "

@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import optax
 from flax import nnx
 
@@ -64,13 +63,8 @@ class Evaluator:
 
   def per_example(self, params, split):
     """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""
-    n = len(split["target"])
-    outs = [
-      self._eval_step(params, b)
-      for b in pipeline.eval_batches(split, self.batch_size, self.pad)
-    ]
-    return tuple(
-      np.concatenate([np.asarray(o[i]) for o in outs], 1)[:, :n] for i in range(2)
+    return pipeline.map_batches(
+      lambda b: self._eval_step(params, b), split, self.batch_size, self.pad, axis=1
     )
 
   def per_depth(self, params) -> tuple[dict, dict]:

@@ -4,7 +4,9 @@
 its accuracy per probe split against step (log axis) with the grokking phase
 transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
 `DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
-tabulates, per run, steps and wall time to each phase and the final accuracies.
+tabulates, per run, steps and wall time to each phase and the final accuracies;
+a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
+`DIR/plots/ablations.png` (analysis/ablations.py).
 k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
 where the hop curriculum advanced.
 """
@@ -17,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loopjax.analysis import grokking  # noqa: E402
+from loopjax.analysis import ablations, grokking  # noqa: E402
 from loopjax.data.kg import hop_count  # noqa: E402
 from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
 
@@ -156,6 +158,7 @@ def report(path: Path) -> list[Path]:
     if not runs:
       raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
     figures = [plot_run(r) for r in runs] + [plot_sweep(path, runs)]
+    figures += ablations.write(path, runs)
   table = path / "results.md"
   table.write_text(results_table([results_row(r) for r in runs]))
   return [*figures, table]

@@ -12,7 +12,7 @@ from conftest import losses, run
 from experiments import extrapolation
 from loopjax import evaluate, metrics, train
 from loopjax.analysis import overthinking
-from loopjax.config import ConfigError
+from loopjax.config import ANALYSES, ConfigError
 from loopjax.data import kg, pipeline
 from loopjax.state import train_state
 
@@ -147,8 +147,9 @@ def test_margin_matches_numpy():
 
 
 def test_analyze_agrees_with_evaluation(config, whole):
-  """`--mode=analyze` from the command line; its curves equal the evaluator's
-  accuracy at every depth, and fixed-R halting equals the curve at r_max."""
+  """`--mode=analyze` from the command line writes every analysis (chains: padded
+  queries, the first bridge); its curves equal the evaluator's accuracy at every
+  depth, and fixed-R halting equals the curve at r_max."""
   out = run(
     [
       sys.executable,
@@ -165,10 +166,8 @@ def test_analyze_agrees_with_evaluation(config, whole):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert {p.name for p in (whole / "analysis").iterdir()} == {
-    f"{name}.{ext}"
-    for name in ("overthinking", "halting")
-    for ext in ("json", "md", "png")
-  }
+    f"{name}.{ext}" for name in ANALYSES for ext in ("json", "md", "png")
+  } | {"logit_lens_phases.png"}  # the curriculum's stages are its phases
   curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
   assert curves["step"] == 60 and curves["train_depths"] == [2, 4]
   task, graphdef, params, _ = evaluate.restore_params(config, whole)

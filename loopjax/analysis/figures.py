@@ -11,6 +11,13 @@ import numpy as np  # noqa: E402
 from loopjax.data.kg import hop_count  # noqa: E402
 
 
+def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
+  path = out_dir / f"{name}.png"
+  return [
+    overthinking(report, path) if name == "overthinking" else halting(report, path)
+  ]
+
+
 def _lines(names):
   """(split, label, colour): chains' test splits by k on one colour scale, or
   every split (composition)."""
@@ -43,7 +50,7 @@ def overthinking(report: dict, path: Path) -> Path:
   axes[1].axhline(0, color="black", lw=0.5)
   axes[1].legend(fontsize=7, ncol=2)
   fig.suptitle(f"step {report['step']}")
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def _pooled(row: dict, names) -> tuple[float, float]:
@@ -85,7 +92,7 @@ def halting(report: dict, path: Path) -> Path:
   for ax in axes:
     ax.grid(alpha=0.3)
   fig.suptitle(f"step {report['step']}")
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def _defaults(rows):
@@ -146,8 +153,9 @@ def table(name: str, report: dict) -> str:
   return "\n".join(out + ["| " + " | ".join(x) + " |" for x in lines]) + "\n"
 
 
-def _save(fig, path: Path) -> Path:
-  fig.tight_layout()
+def save(fig, path: Path, tight: bool = True) -> Path:
+  if tight:  # off for figures with a colorbar shared by several axes
+    fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path

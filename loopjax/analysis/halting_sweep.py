@@ -8,7 +8,6 @@ and mean iterations used, the trade-off a halting rule is chosen by.
 import functools
 
 import jax
-import numpy as np
 from flax import nnx
 
 from loopjax import halting
@@ -64,13 +63,9 @@ def table(graphdef, params, dtype, key, probes: dict, cfg, batch_size: int, pad)
     }
     splits = {}
     for name, split in probes.items():
-      n = len(split["target"])
-      outs = [
-        jax.device_get(run(params, b, **kw))
-        for b in pipeline.eval_batches(split, batch_size, pad)
-      ]
-      correct_N = np.concatenate([o[0] for o in outs])[:n]
-      iters_N = np.concatenate([o[1] for o in outs])[:n]
+      correct_N, iters_N = pipeline.map_batches(
+        lambda b: run(params, b, **kw), split, batch_size, pad
+      )
       splits[name] = {
         "acc": float(correct_N.mean()),
         "iterations": float(iters_N.mean()),

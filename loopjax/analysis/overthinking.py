@@ -7,7 +7,6 @@ beyond its training depth may undo the answer ("overthinking"): the margin
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from loopjax.data import pipeline
 from loopjax.evaluate import logits_per_iteration
@@ -37,14 +36,9 @@ def curves(
 
   out = {}
   for name, split in probes.items():
-    n = len(split["target"])
-    margin_RN = np.concatenate(
-      [
-        np.asarray(step(params, b))
-        for b in pipeline.eval_batches(split, batch_size, pad)
-      ],
-      1,
-    )[:, :n]
+    margin_RN = pipeline.map_batches(
+      lambda b: step(params, b), split, batch_size, pad, axis=1
+    )
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),
       "margin": margin_RN.mean(1).tolist(),

@@ -218,6 +218,14 @@ def _examples(hop1_N, hop2_N, rel_A, tail_A, D, vocab) -> Split:
   }
 
 
+def first_bridge(split: Split) -> np.ndarray:
+  """The first hop's result per query, (N,); -1 where there is none (atomic)."""
+  if "bridge" in split:
+    return split["bridge"]
+  b_NK = split["bridges"]
+  return b_NK[:, 0] if b_NK.shape[1] else np.full(len(split["target"]), -1)
+
+
 def hops(split: Split, pad_id: int) -> tuple[Split, Split]:
   """The two atomic facts behind each inferred fact: (h, r1) -> b, (b, r2) -> t."""
   h_N, r1_N, r2_N = split["inputs"].T

@@ -71,13 +71,27 @@ def train_iterator(
   return iter(ds.to_iter_dataset())
 
 
-def eval_batches(split, batch_size: int, pad_id: int):
-  """Fixed-size batches covering the split once (one compiled shape); the last
-  is padded with example 0, whose results callers drop (the first n rows count)."""
+def eval_batches(split, batch_size: int, pad_id: int, columns=()):
+  """Fixed-size batches covering the split once (one compiled shape), with the
+  split's `columns` (e.g. "bridge") besides the model's inputs; the last is
+  padded with example 0, whose results callers drop (the first n rows count)."""
   n = len(split["target"])
   for start in range(0, n, batch_size):
     idx_B = np.arange(start, start + batch_size)
-    yield _gather(split, np.where(idx_B < n, idx_B, 0), pad_id)
+    idx_B = np.where(idx_B < n, idx_B, 0)
+    yield _gather(split, idx_B, pad_id) | {c: split[c][idx_B] for c in columns}
+
+
+def map_batches(fn, split, batch_size: int, pad_id: int, *, axis=0, columns=()):
+  """`fn(batch)` over `eval_batches`: its outputs (a pytree of arrays whose
+  `axis` runs over the batch) concatenated on the host, padding cut."""
+  n = len(split["target"])
+  outs = [
+    jax.device_get(fn(b)) for b in eval_batches(split, batch_size, pad_id, columns)
+  ]
+  return jax.tree.map(
+    lambda *o: np.take(np.concatenate(o, axis), np.arange(n), axis), *outs
+  )
 
 
 class StagedIterator:

@@ -34,16 +34,17 @@ class Norm(nnx.Module):
     self.scale = param(rngs, nnx.initializers.ones, (d,), ("embed",))
     self.bias = zeros(rngs, (d,), ("embed",)) if kind == "layernorm" else None
 
-  def __call__(self, x_BTD):
-    """Normalizes the last axis of a (B, T, D) array."""
-    x = x_BTD.astype(jnp.float32)
+  def __call__(self, x_D):
+    """Normalizes the last axis (any leading axes: the logit lens reads stacks)."""
+    x = x_D.astype(jnp.float32)
     if self.bias is not None:
       x = x - x.mean(-1, keepdims=True)
     y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + _NORM_EPS)
-    y = y * self.scale[None, None]
+    lead = (1,) * (x.ndim - 1)
+    y = y * self.scale.reshape(*lead, -1)
     if self.bias is not None:
-      y = y + self.bias[None, None]
-    return y.astype(x_BTD.dtype)
+      y = y + self.bias.reshape(*lead, -1)
+    return y.astype(x_D.dtype)
 
 
 def rope(x_BTNH, base: float = 10_000.0):
@@ -73,7 +74,8 @@ class Attention(nnx.Module):
     self.wo = param(rngs, normal, (num_heads, hd, d), ("heads", "kv", "embed"))
     self.bo = zeros(rngs, (d,), ("embed",))
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, with_probs: bool = False):
+    """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S)."""
     B, T, D = x_BTD.shape
     _, _, N, H = self.wqkv.shape
     qkv_MK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
@@ -81,9 +83,12 @@ class Attention(nnx.Module):
     q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
     if self.rotary:
       q_BTNH, k_BSNH = rope(q_BTNH), rope(k_BSNH)
-    out_BTNH = attend(q_BTNH, k_BSNH, v_BSNH, elementwise=T <= ELEMENTWISE_MAX_LEN)
+    elementwise = T <= ELEMENTWISE_MAX_LEN
+    probs_BTSN = attention_probs(q_BTNH, k_BSNH, elementwise=elementwise)
+    out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
     out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
-    return (out_MD + self.bo[None]).reshape(B, T, D)
+    out_BTD = (out_MD + self.bo[None]).reshape(B, T, D)
+    return (out_BTD, probs_BTSN.transpose(0, 3, 1, 2)) if with_probs else out_BTD
 
 
 # Up to this length, attention's two products run as broadcast-multiply-sums:
@@ -92,8 +97,8 @@ class Attention(nnx.Module):
 ELEMENTWISE_MAX_LEN = 8
 
 
-def attend(q_BTNH, k_BSNH, v_BSNH, *, elementwise: bool):
-  """Causal softmax attention, (B, T, N, H) each -> (B, T, N, H)."""
+def attention_probs(q_BTNH, k_BSNH, *, elementwise: bool):
+  """Causal softmax weights (B, T, S, N): query t's distribution over keys s."""
   if elementwise:
     logits_BTSN = (q_BTNH[:, :, None] * k_BSNH[:, None]).sum(-1)
   else:
@@ -101,7 +106,11 @@ def attend(q_BTNH, k_BSNH, v_BSNH, *, elementwise: bool):
   T, H = q_BTNH.shape[1], q_BTNH.shape[-1]
   causal_TS = jnp.tril(jnp.ones((T, T), bool))[None, :, :, None]
   logits_BTSN = jnp.where(causal_TS, logits_BTSN.astype(jnp.float32) * H**-0.5, -1e30)
-  probs_BTSN = jax.nn.softmax(logits_BTSN, axis=2).astype(v_BSNH.dtype)
+  return jax.nn.softmax(logits_BTSN, axis=2).astype(q_BTNH.dtype)
+
+
+def attend(probs_BTSN, v_BSNH, *, elementwise: bool):
+  """The attention output (B, T, N, H): values averaged by the weights."""
   if elementwise:
     return (probs_BTSN[..., None] * v_BSNH[:, None]).sum(2)
   return jnp.einsum("btsn,bsnh->btnh", probs_BTSN, v_BSNH)
@@ -137,15 +146,19 @@ class Block(nnx.Module):
       self.norm1_out = Norm(d, kind, rngs=rngs)
       self.norm2_out = Norm(d, kind, rngs=rngs)
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTD, with_probs: bool = False):
+    """(B, T, D) -> (B, T, D); with_probs: also the attention weights."""
     if self.position == "post":
-      x_BTD = self.norm1(x_BTD + self.attn(x_BTD))
-      return self.norm2(x_BTD + self.mlp(x_BTD))
-    a_BTD = self.attn(self.norm1(x_BTD))
+      a_BTD, probs = self.attn(x_BTD, with_probs=True)
+      x_BTD = self.norm1(x_BTD + a_BTD)
+      x_BTD = self.norm2(x_BTD + self.mlp(x_BTD))
+      return (x_BTD, probs) if with_probs else x_BTD
+    a_BTD, probs = self.attn(self.norm1(x_BTD), with_probs=True)
     if self.position == "sandwich":
       a_BTD = self.norm1_out(a_BTD)
     x_BTD = x_BTD + a_BTD
     m_BTD = self.mlp(self.norm2(x_BTD))
     if self.position == "sandwich":
       m_BTD = self.norm2_out(m_BTD)
-    return x_BTD + m_BTD
+    x_BTD = x_BTD + m_BTD
+    return (x_BTD, probs) if with_probs else x_BTD

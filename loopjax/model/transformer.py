@@ -72,25 +72,64 @@ class LoopedTransformer(nnx.Module):
       x_BTD = block(x_BTD)
     return x_BTD, self.initial_state(x_BTD, key)
 
-  def core_step(self, h_BTD, x_BTD):
-    """One iteration of the shared core, with the input injected first."""
+  def inject(self, h_BTD, x_BTD):
+    """The state an iteration starts from: the input injected into it."""
     if self.cfg.injection == "add":
-      h_BTD = h_BTD + x_BTD
-    elif self.cfg.injection == "concat":
-      h_BTD = (
+      return h_BTD + x_BTD
+    if self.cfg.injection == "concat":
+      return (
         jnp.concatenate([h_BTD, x_BTD], -1) @ self.adapter + self.adapter_b[None, None]
       )
+    return h_BTD
+
+  def core_step(self, h_BTD, x_BTD):
+    """One iteration of the shared core, with the input injected first."""
+    h_BTD = self.inject(h_BTD, x_BTD)
     for block in self.core:
       h_BTD = block(h_BTD)
     return h_BTD
+
+  def logits(self, h_D):
+    """Final norm and unembedding of states with any leading axes: (..., V).
+    The readout's last step, and the logit lens (applied to any layer's output)."""
+    h_D = self.norm(h_D)
+    w_DV = self.embed.T if self.unembed is None else self.unembed
+    return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
 
   def readout(self, h_BTD, answer_pos_B):
     """Coda, final norm and unembedding at the answer position: logits (B, V)."""
     for block in self.coda:
       h_BTD = block(h_BTD)
-    h_B1D = self.norm(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1))
-    w_DV = self.embed.T if self.unembed is None else self.unembed
-    return (h_B1D[:, 0] @ w_DV.astype(h_B1D.dtype)).astype(jnp.float32)
+    return self.logits(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0])
+
+  def trace(self, tokens_BT, num_loops: int, key=None) -> dict:
+    """Every layer's output and attention weights, for the analyses.
+
+    The same layers and the same `recurrence.unroll` as training: the core's
+    per-layer values ride in the scanned state and come out as per-iteration
+    readouts. Returns "embed" (B, T, D) and, for "prelude", "core" and "coda",
+    {"hidden": (..., B, T, D), "attn": (..., B, N, T, S)} with leading axes
+    (P,), (R, L) and (C,); the coda runs on the last iteration's state.
+    Prelude or coda without layers: None.
+    """
+    x_BTD = self.embed_tokens(tokens_BT)
+    out = {"embed": x_BTD}
+    x_BTD, out["prelude"] = _traced(self.prelude, x_BTD)
+    h_BTD = self.initial_state(x_BTD, key)
+    (B, T, D), L, N = h_BTD.shape, len(self.core), self.cfg.num_heads
+    none = {
+      "hidden": jnp.zeros((L, B, T, D), h_BTD.dtype),
+      "attn": jnp.zeros((L, B, N, T, T), h_BTD.dtype),
+    }
+    (h_BTD, _), out["core"] = recurrence.unroll(
+      lambda carry: _traced(self.core, self.inject(carry[0], x_BTD)),
+      (h_BTD, none),
+      num_loops,
+      scan_unroll=self.cfg.scan_unroll,
+      readout=lambda carry: carry[1],
+    )
+    _, out["coda"] = _traced(self.coda, h_BTD)
+    return out
 
   def __call__(
     self,
@@ -117,3 +156,15 @@ class LoopedTransformer(nnx.Module):
     )
     logits_BV = self.readout(h_BTD, answer_pos_B)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
+
+
+def _traced(blocks, h_BTD):
+  """h through `blocks`, and each block's output and attention weights stacked."""
+  hidden, attn = [], []
+  for block in blocks:
+    h_BTD, probs_BNTS = block(h_BTD, with_probs=True)
+    hidden.append(h_BTD)
+    attn.append(probs_BNTS)
+  return h_BTD, (
+    {"hidden": jnp.stack(hidden), "attn": jnp.stack(attn)} if hidden else None
+  )

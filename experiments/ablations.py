@@ -1,0 +1,58 @@
+"""Architecture ablations of the looped block, with the mechanistic analyses.
+
+One factor at a time from each task's default model: input injection (none /
+add / concat+adapter), norm placement (pre / sandwich), core size L = 1, 2, 4
+at equal effective depth L x R = 4, initial state (embedding / random). Every
+run is then analyzed (`analyze.names`: overthinking to 16 iterations,
+fixed points, attention, massive activations, logit lens) and the report
+tabulates the variants (`--mode=report` on the sweep root: `ablations.md`).
+
+Variants: `composition` (default: `sysgen.py:cpu`, 2-hop composition),
+`chains` (`extrapolation.py:cpu` with fixed R = 4 and a shorter budget),
+`tiny` (smoke test).
+
+  python launch/sweep.py --config=experiments/ablations.py --root=runs/ablations
+  for d in runs/ablations/*/; do python -m loopjax.main --mode=analyze --workdir=$d; done
+  python -m loopjax.main --mode=report --workdir=runs/ablations
+"""
+
+from experiments import extrapolation, sysgen
+
+MECHANISTIC = ("fixed_points", "attention", "activations", "logit_lens")
+
+
+def get_config(variant: str = "composition"):
+  if variant in ("composition", "tiny"):
+    c = sysgen.get_config("cpu" if variant == "composition" else "tiny")
+  elif variant == "chains":
+    c = extrapolation.get_config("cpu")
+    c.train.depth.dist = "fixed"  # the factors, not sampled depth, vary here
+    c.model.num_loops = 4
+    c.data.train_hops = 4
+    c.train.num_steps = 20_000
+  else:
+    raise ValueError(
+      f"variant: must be one of composition, chains, tiny; got {variant!r}"
+    )
+  c.variant = variant
+  c.analyze.names = ("overthinking", *MECHANISTIC)
+  c.analyze.max_depth = 16  # 4x the default R = 4: every variant's 2x and 4x R
+  return c
+
+
+def sweep(name: str = "factors"):
+  """`factors`: the default model (`default`) and one change at a time."""
+  sweeps = {
+    "factors": [
+      {},
+      {"model.injection": "add"},
+      {"model.injection": "concat"},
+      {"model.norm_position": "sandwich"},
+      {"model.num_layers": 2, "model.num_loops": 2},
+      {"model.num_layers": 4, "model.num_loops": 1},
+      {"model.init_state": "random"},
+    ]
+  }
+  if name not in sweeps:
+    raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")
+  return sweeps[name]

@@ -1,0 +1,317 @@
+"""Figures, markdown tables and one-line summaries of the mechanistic analyses.
+
+Each figure shows the run's main held-out split (`main_split` in the report:
+OOD composition, or the deepest trained k); the tables cover every split.
+"""
+
+from pathlib import Path
+
+import numpy as np
+
+from loopjax.analysis.figures import plt, save
+
+LENS_PANELS = [(t, p) for t in ("bridge", "answer") for p in ("relation", "answer")]
+
+
+def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
+  paths = [PLOTS[name](report, out_dir / f"{name}.png")]
+  if name == "logit_lens" and report.get("phases"):
+    paths.append(lens_phases(report, out_dir / "logit_lens_phases.png"))
+  return paths
+
+
+def _main(report: dict, name: str) -> tuple[str, dict]:
+  results = report[name]
+  split = report["main_split"]
+  if split not in results:  # e.g. a split with no examples
+    split = next(iter(results))
+  return split, results[split]
+
+
+def _heatmap(ax, m_RL, title, vmax=1.0):
+  m_RL = np.asarray(m_RL)
+  im = ax.imshow(m_RL, aspect="auto", origin="lower", vmin=0, vmax=vmax, cmap="magma")
+  R, L = m_RL.shape
+  ax.set_xticks(range(L), [str(x + 1) for x in range(L)])
+  ax.set_yticks(*_ticks(R))
+  ax.set_xlabel("layer")
+  ax.set_title(title, fontsize=9)
+  return im
+
+
+def _ticks(R: int):
+  r = [x for x in (1, 2, 4, 8, 16, 32, 64, 128) if x <= R]
+  return [x - 1 for x in r], [str(x) for x in r]
+
+
+def logit_lens(report: dict, path: Path) -> Path:
+  """Mean reciprocal rank of the bridge and of the answer, read at the first
+  relation's position and at the answer position, per iteration x layer."""
+  split, lens = _main(report, "logit_lens")
+  fig, axes = plt.subplots(1, 4, figsize=(14, 4.2), layout="constrained")
+  axes[0].set_ylabel("iteration")
+  if "core" in lens:
+    for ax, (t, p) in zip(axes, LENS_PANELS, strict=True):
+      im = _heatmap(ax, lens["core"][t][p]["mrr"], f"{t} at the {p} position")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="mean reciprocal rank")
+  fig.suptitle(
+    f"logit lens, {split} ({lens['examples']} queries), step {report['step']}"
+  )
+  return save(fig, path, tight=False)
+
+
+def lens_phases(report: dict, path: Path) -> Path:
+  """Bridge MRR at the relation position and answer MRR at the answer position
+  after each iteration (last core layer), one line per grokking phase."""
+  split = report["main_split"]
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  cmap = plt.get_cmap("viridis")
+  phases = [p for p in report["phases"] if "core" in p["logit_lens"].get(split, {})]
+  for i, ph in enumerate(phases):
+    core = ph["logit_lens"][split]["core"]
+    for ax, (t, p) in zip(axes, LENS_PANELS[::3], strict=True):
+      mrr_R = np.asarray(core[t][p]["mrr"])[:, -1]
+      ax.plot(
+        np.arange(1, len(mrr_R) + 1),
+        mrr_R,
+        color=cmap(i / max(len(phases) - 1, 1)),
+        label=f"{ph['phase']} (step {ph['step']})",
+      )
+      ax.set_title(f"{t} at the {p} position", fontsize=9)
+  for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("mean reciprocal rank (last layer)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"logit lens across the grokking phases, {split}")
+  return save(fig, path)
+
+
+def fixed_points(report: dict, path: Path) -> Path:
+  """Relative change of each layer's output per iteration (log scale) and the
+  cosine similarity of the layers' limit states."""
+  split, fp = _main(report, "fixed_points")
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+  for l, layer in enumerate(fp["layers"]):
+    change = np.asarray(layer["change"])
+    axes[0].plot(np.arange(1, len(change) + 1), change, label=f"layer {l + 1}")
+  axes[0].axhline(fp["tol"], color="gray", ls=":", lw=1)
+  for d in report["train_depths"]:
+    axes[0].axvline(d, color="gray", ls="--", lw=0.8)
+  axes[0].set_xscale("log", base=2)
+  axes[0].set_yscale("log")
+  axes[0].set_xlabel("iteration r (dashed: training depth, dotted: tol)")
+  axes[0].set_ylabel("||h(r+1) - h(r)|| / ||h(r)||")
+  axes[0].legend(fontsize=8)
+  axes[0].grid(alpha=0.3)
+  cos = np.asarray(fp["distance"])
+  im = axes[1].imshow(cos, vmin=0, cmap="magma")
+  axes[1].set_title("relative distance between limit states", fontsize=9)
+  axes[1].set_xticks(range(len(cos)), [str(x + 1) for x in range(len(cos))])
+  axes[1].set_yticks(range(len(cos)), [str(x + 1) for x in range(len(cos))])
+  axes[1].set_xlabel("layer")
+  fig.colorbar(im, ax=axes[1], shrink=0.8)
+  fig.suptitle(f"fixed points ({fp['kind']}), {split}, step {report['step']}")
+  return save(fig, path)
+
+
+def attention(report: dict, path: Path) -> Path:
+  """Per layer and head: ColSum top share and pattern change per iteration; the
+  normalized column sums at the last iteration."""
+  split, att = _main(report, "attention")
+  top_RLN, tv_RLN = np.asarray(att["top_share"]), np.asarray(att["stability"])
+  profile_LNS = np.asarray(att["profile"])
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  L, N = top_RLN.shape[1:]
+  for l in range(L):
+    for n in range(N):
+      label = f"L{l + 1}H{n + 1}"
+      axes[0].plot(np.arange(1, len(top_RLN) + 1), top_RLN[:, l, n], label=label)
+      axes[1].plot(np.arange(2, len(tv_RLN) + 2), tv_RLN[:, l, n], label=label)
+  axes[0].set_ylabel("ColSum top share")
+  axes[1].set_ylabel("total variation vs previous iteration")
+  axes[1].set_yscale("log")
+  for ax in axes[:2]:
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=7, ncol=2)
+  S = profile_LNS.shape[-1]
+  width = 0.8 / (L * N)
+  for i, (l, n) in enumerate((l, n) for l in range(L) for n in range(N)):
+    axes[2].bar(
+      np.arange(S) + i * width, profile_LNS[l, n], width, label=f"L{l + 1}H{n + 1}"
+    )
+  axes[2].set_xticks(np.arange(S) + 0.4 - width / 2, [str(s) for s in range(S)])
+  axes[2].set_xlabel("key position")
+  axes[2].set_ylabel("share of attention mass (last iteration)")
+  fig.suptitle(f"attention, {split}, step {report['step']}")
+  return save(fig, path)
+
+
+def activations(report: dict, path: Path) -> Path:
+  """Largest |activation| over the median, per iteration and layer."""
+  split, act = _main(report, "activations")
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for key, ax in (("ratio", axes[0]), ("max", axes[1])):
+    m_RL = np.asarray(act[key])
+    for l in range(m_RL.shape[1]):
+      ax.plot(np.arange(1, len(m_RL) + 1), m_RL[:, l], label=f"layer {l + 1}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("max |h| / median |h|")
+  axes[1].set_ylabel("max |h|")
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"activation magnitudes, {split}, step {report['step']}")
+  return save(fig, path)
+
+
+PLOTS = {
+  "logit_lens": logit_lens,
+  "fixed_points": fixed_points,
+  "attention": attention,
+  "activations": activations,
+}
+
+
+def _best(m_RL) -> tuple[float, int, int]:
+  """(max, iteration, layer), 1-based."""
+  m_RL = np.asarray(m_RL)
+  r, l = np.unravel_index(int(m_RL.argmax()), m_RL.shape)
+  return float(m_RL[r, l]), int(r) + 1, int(l) + 1
+
+
+def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
+  """(header, rows) of the markdown table."""
+  out = []
+  if name == "logit_lens":
+    head = [
+      "split",
+      "queries",
+      *(f"{t} MRR at {p}: best (r, l) / last" for t, p in LENS_PANELS),
+    ]
+    for split, lens in report[name].items():
+      if "core" not in lens:
+        continue
+      cells = []
+      for t, p in LENS_PANELS:
+        mrr = lens["core"][t][p]["mrr"]
+        best, r, l = _best(mrr)
+        cells.append(f"{best:.2f} ({r}, {l}) / {mrr[-1][-1]:.2f}")
+      out.append([split, str(lens["examples"]), *cells])
+  elif name == "fixed_points":
+    head = [
+      "split",
+      "kind",
+      "layer",
+      "converged at",
+      "converged share",
+      "period",
+      "last change",
+      "distance (cosine) to other layers",
+    ]
+    for split, fp in report[name].items():
+      for l, layer in enumerate(fp["layers"]):
+        apart = [
+          f"{fp['distance'][l][m]:.2f} ({fp['cosine'][l][m]:.2f})"
+          for m in range(len(fp["layers"]))
+          if m != l
+        ]
+        out.append(
+          [
+            split,
+            fp["kind"],
+            str(l + 1),
+            str(layer["converged_at"] or "-"),
+            f"{layer['converged_share']:.2f}",
+            str(layer["period"] or "-"),
+            f"{layer['change'][-1]:.1e}",
+            ", ".join(apart) or "-",
+          ]
+        )
+  elif name == "attention":
+    head = [
+      "split",
+      "layer",
+      "head",
+      "top share: iter 1 / last",
+      "entropy (last)",
+      "change (last)",
+      "profile (last)",
+    ]
+    for split, att in report[name].items():
+      top, ent = np.asarray(att["top_share"]), np.asarray(att["entropy"])
+      tv, prof = np.asarray(att["stability"]), np.asarray(att["profile"])
+      for l in range(top.shape[1]):
+        for n in range(top.shape[2]):
+          out.append(
+            [
+              split,
+              str(l + 1),
+              str(n + 1),
+              f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f}",
+              f"{ent[-1, l, n]:.2f}",
+              f"{tv[-1, l, n]:.1e}" if len(tv) else "-",
+              " ".join(f"{x:.2f}" for x in prof[l, n]),
+            ]
+          )
+  else:
+    head = [
+      "split",
+      "layer",
+      "max / median: largest (iteration)",
+      "at (position, dim)",
+      "share",
+      "last iteration",
+    ]
+    for split, act in report[name].items():
+      ratio = np.asarray(act["ratio"])
+      for l in range(ratio.shape[1]):
+        r = int(ratio[:, l].argmax())
+        out.append(
+          [
+            split,
+            str(l + 1),
+            f"{ratio[r, l]:.1f} ({r + 1})",
+            f"({act['position'][r][l]}, {act['dim'][r][l]})",
+            f"{act['share'][r][l]:.2f}",
+            f"{ratio[-1, l]:.1f}",
+          ]
+        )
+  return head, out
+
+
+def table(name: str, report: dict) -> str:
+  head, lines = rows(name, report)
+  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  return "\n".join(out + ["| " + " | ".join(x) + " |" for x in lines]) + "\n"
+
+
+def summary(name: str, report: dict) -> str:
+  """One line for the console, on the main split."""
+  split, res = _main(report, name)
+  if name == "logit_lens":
+    if "core" not in res:
+      return f"{split}: no inferred queries"
+    b = _best(res["core"]["bridge"]["relation"]["mrr"])
+    return (
+      f"{split}: bridge MRR at the relation position up to {b[0]:.2f} "
+      f"(iteration {b[1]}, layer {b[2]})"
+    )
+  if name == "fixed_points":
+    return f"{split}: {res['kind']}; " + ", ".join(
+      f"layer {l + 1} converges at {x['converged_at'] or 'never'}"
+      for l, x in enumerate(res["layers"])
+    )
+  if name == "attention":
+    top = np.asarray(res["top_share"])
+    return (
+      f"{split}: ColSum top share, mean over heads, {top[0].mean():.2f} at "
+      f"iteration 1, {top[-1].mean():.2f} at the last"
+    )
+  ratio = np.asarray(res["ratio"])
+  return f"{split}: max/median |h| up to {ratio.max():.1f}"

@@ -1,0 +1,198 @@
+"""The mechanistic analyses against small hand-computed cases, and end to end."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from loopjax.analysis import activations, attention, fixed_points, logit_lens
+from loopjax.model import LoopedTransformer
+
+PAD = 9
+
+
+def _batch(inputs, **columns):
+  inputs = np.asarray(inputs, np.int32)
+  return {
+    "inputs": inputs,
+    "answer_pos": (inputs != PAD).sum(-1).astype(np.int32) - 1,
+    **{k: np.asarray(v, np.int32) for k, v in columns.items()},
+  }
+
+
+def test_colsum_of_a_known_attention_matrix():
+  A_TS = np.array([[1, 0, 0], [0.5, 0.5, 0], [0.2, 0.3, 0.5]], np.float32)
+  attn = jnp.asarray(A_TS)[None, None, None, None]  # (R, L, B, N, T, S) = 1s
+  ex = attention.per_example({"core": {"attn": attn}}, _batch([[1, 2, 3]]), PAD)
+  p_S = np.array([1.7, 0.8, 0.5]) / 3
+  np.testing.assert_allclose(ex["profile"][0, 0, 0, 0], p_S, rtol=1e-6)
+  np.testing.assert_allclose(ex["top_share"][0, 0, 0, 0], 1.7 / 3, rtol=1e-6)
+  entropy = -(p_S * np.log(p_S)).sum()
+  np.testing.assert_allclose(ex["entropy"][0, 0, 0, 0], entropy, rtol=1e-6)
+  # A padding query's row does not count: the column sums of rows 0 and 1.
+  ex = attention.per_example({"core": {"attn": attn}}, _batch([[1, 2, PAD]]), PAD)
+  np.testing.assert_allclose(ex["profile"][0, 0, 0, 0], [0.75, 0.25, 0], atol=1e-7)
+  np.testing.assert_allclose(
+    ex["entropy"][0, 0, 0, 0],
+    -(0.75 * math.log(0.75) + 0.25 * math.log(0.25)),
+    rtol=1e-6,
+  )
+
+
+def test_attention_stability_is_the_mean_total_variation():
+  A = np.array([[1, 0], [0.5, 0.5]], np.float32)
+  B = np.array([[1, 0], [0.9, 0.1]], np.float32)
+  attn = jnp.asarray(np.stack([A, B, B]))[:, None, None, None]  # R = 3
+  ex = attention.per_example({"core": {"attn": attn}}, _batch([[1, 2]]), PAD)
+  # Row 0 unchanged, row 1 moves 0.4 of its mass: (0 + 0.4) / 2 queries.
+  np.testing.assert_allclose(ex["stability"][0, :, 0, 0], [0.2, 0.0], atol=1e-7)
+  summary = attention.summarize(jax.device_get(ex))
+  np.testing.assert_allclose(summary["profile"][0][0], [0.95, 0.05], rtol=1e-6)
+
+
+def _tiny_model(V=6, D=8):
+  """A 1-layer model with tied embeddings = the first V unit vectors, RMSNorm
+  with unit scale: logits(h) = sqrt(D) * h / ||h|| read on the first V dims."""
+  from experiments import sysgen
+
+  cfg = sysgen.get_config("tiny").model
+  cfg.update(d_model=D, num_heads=2, norm_type="rmsnorm")
+  model = LoopedTransformer(cfg, V, 3, rngs=nnx.Rngs(0))
+  model.embed[...] = jnp.eye(V, D)
+  return model
+
+
+def test_logit_lens_ranks_under_a_known_unembedding():
+  V, D = 6, 8
+  model = _tiny_model(V, D)
+  h = np.zeros((2, 1, 1, 3, D), np.float32)  # (R, L, B, T, D)
+  h[0, 0, 0, 1, 4] = 2.0  # iteration 1: entity 4 at the relation position
+  h[0, 0, 0, 2, 5] = 1.0  # and entity 5 at the answer position
+  h[1, 0, 0, :, 5] = 3.0  # iteration 2: entity 5 everywhere
+  trace = {"prelude": None, "coda": None, "core": {"hidden": jnp.asarray(h)}}
+  batch = _batch([[0, 1, 2]], target=[5], bridge=[4])
+  rank, prob = logit_lens.per_example(model, trace, batch)["core"]
+  # (B, R, L, position, target): targets (bridge 4, answer 5)
+  assert rank[0, :, 0].tolist() == [[[0, 1], [1, 0]], [[1, 0], [1, 0]]]
+  top = math.exp(math.sqrt(D)) / (math.exp(math.sqrt(D)) + V - 1)
+  np.testing.assert_allclose(prob[0, 0, 0, 0, 0], top, rtol=1e-4)
+  np.testing.assert_allclose(prob[0, 0, 0, 0, 1], (1 - top) / (V - 1), rtol=1e-4)
+  summary = logit_lens.summarize(
+    jax.device_get(logit_lens.per_example(model, trace, batch)), batch["bridge"]
+  )
+  assert summary["examples"] == 1
+  assert summary["core"]["bridge"]["relation"]["mrr"] == [[1.0], [0.5]]
+  assert summary["core"]["answer"]["answer"]["top1"] == [[1.0], [1.0]]
+  # Atomic facts (no bridge) are left out.
+  assert logit_lens.summarize({}, np.array([-1])) == {"examples": 0}
+
+
+def _states(layers_RL):
+  """(R, L, B=1, T=2, D=2) hidden states from a list of (L, 2)-vectors per
+  iteration, the same at both tokens."""
+  h = np.asarray(layers_RL, np.float32)[:, :, None, None, :]
+  return {"core": {"hidden": jnp.asarray(np.repeat(h, 2, 3))}}
+
+
+def _fixed(layers_RL):
+  ex = fixed_points.per_example(_states(layers_RL), _batch([[1, 2]]), PAD)
+  return ex, fixed_points.summarize(jax.device_get(ex), tol=1e-3)
+
+
+def test_fixed_points_of_hand_made_trajectories():
+  a, b, c = [1.0, 0.0], [0.0, 1.0], [2.0, 0.0]
+  # Each layer settles from iteration 2 on, on its own state: cyclic.
+  ex, s = _fixed([[c, b], [a, b], [a, b], [a, b]])
+  np.testing.assert_allclose(ex["change"][0, :, 0], [0.5, 0, 0])  # |c-a| / |c|
+  assert [x["converged_at"] for x in s["layers"]] == [2, 1]
+  assert s["kind"] == "cyclic fixed point"
+  np.testing.assert_allclose(s["distance"], [[0, 2**0.5], [2**0.5, 0]], rtol=1e-6)
+  np.testing.assert_allclose(s["cosine"], [[1, 0], [0, 1]], atol=1e-6)
+  # Both layers on one state: a plain fixed point.
+  assert _fixed([[c, c], [a, a], [a, a]])[1]["kind"] == "fixed point"
+  # Alternating states: a cycle of period 2, never converged.
+  _, s = _fixed([[a, a], [b, b], [a, a], [b, b], [a, a]])
+  assert s["kind"] == "cycle of period 2"
+  assert [x["converged_at"] for x in s["layers"]] == [None, None]
+
+
+def test_converged_at_needs_every_later_change_below_tol():
+  assert fixed_points.converged_at(np.array([1, 1e-4, 1, 1e-4, 1e-4]), 1e-3) == 4
+  assert fixed_points.converged_at(np.array([1e-4, 1e-4]), 1e-3) == 1
+  assert fixed_points.converged_at(np.array([1e-4, 1.0]), 1e-3) is None
+
+
+def test_massive_activation_is_found_and_padding_ignored():
+  h = np.ones((1, 1, 2, 3, 4), np.float32)  # (R, L, B, T, D)
+  h[0, 0, :, 1, 3] = 100.0  # token 1, dim 3 in both examples
+  h[0, 0, 0, 2, 0] = -1000.0  # a padding token of example 0: ignored
+  batch = _batch([[1, 2, PAD], [1, 2, 3]])
+  ex = activations.per_example({"core": {"hidden": jnp.asarray(h)}}, batch, PAD)
+  s = activations.summarize(jax.device_get(ex), d_model=4)
+  assert s["max"] == [[100.0]] and s["median"] == [[1.0]] and s["ratio"] == [[100.0]]
+  assert (s["position"], s["dim"], s["share"]) == ([[1]], [[3]], [[1.0]])
+
+
+def test_trace_is_the_forward_pass():
+  """The traced layers end where the model's answer comes from, attention is
+  causal, and every weight row is a distribution."""
+  from experiments import sysgen
+
+  cfg = sysgen.get_config("tiny").model
+  cfg.update(num_prelude=1, num_layers=2, num_coda=1, injection="concat")
+  model = LoopedTransformer(cfg, 30, 3, rngs=nnx.Rngs(0))
+  tokens = jnp.array([[1, 2, 3], [4, 5, PAD]])
+  pos = jnp.array([2, 1])
+  trace = model.trace(tokens, 3)
+  assert trace["core"]["hidden"].shape == (3, 2, 2, 3, cfg.d_model)
+  assert trace["core"]["attn"].shape == (3, 2, 2, cfg.num_heads, 3, 3)
+  h_BTD = trace["coda"]["hidden"][-1]
+  np.testing.assert_allclose(
+    model.logits(h_BTD[jnp.arange(2), pos]), model(tokens, pos, num_loops=3), atol=1e-5
+  )
+  attn = np.asarray(trace["core"]["attn"])
+  np.testing.assert_allclose(attn.sum(-1), 1, rtol=1e-5)
+  assert np.all(np.triu(np.ones((3, 3)), 1) * attn == 0)
+
+
+@pytest.fixture(scope="module")
+def grokking_run(tmp_path_factory):
+  """A tiny composition run with pretend phases at steps 20 and 40."""
+  from experiments import ablations
+  from loopjax import train
+
+  root = tmp_path_factory.mktemp("lens")
+  c = ablations.get_config("tiny")
+  c.data.data_dir = str(root / "data")
+  c.analyze.max_depth = 4
+  train.train_and_evaluate(c, root / "run")
+  (root / "run" / "phases.json").write_text(json.dumps({"memorize": 20, "id": 40}))
+  return c, root / "run"
+
+
+def test_analyze_writes_every_mechanistic_analysis(grokking_run):
+  from loopjax import analyze
+
+  config, workdir = grokking_run
+  config = config.copy_and_resolve_references()
+  config.analyze.names = ("logit_lens", "fixed_points", "attention", "activations")
+  paths = {p.name for p in analyze.analyze(config, workdir)}
+  for name in config.analyze.names:
+    assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths
+  assert "logit_lens_phases.png" in paths
+  lens = json.loads((workdir / "analysis" / "logit_lens.json").read_text())
+  assert [(p["phase"], p["step"]) for p in lens["phases"]] == [
+    ("memorize", 20),
+    ("id", 40),
+  ]
+  ood = lens["logit_lens"]["test_inferred_ood"]
+  R, L = config.analyze.max_depth, config.model.num_layers
+  assert np.shape(ood["core"]["bridge"]["relation"]["mrr"]) == (R, L)
+  assert "core" not in lens["logit_lens"]["id_atomic"]  # no bridge: no lens
+  attn = json.loads((workdir / "analysis" / "attention.json").read_text())
+  profile = np.asarray(attn["attention"]["test_inferred_ood"]["profile"])
+  np.testing.assert_allclose(profile.sum(-1), 1, rtol=1e-5)
