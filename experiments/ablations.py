@@ -8,10 +8,12 @@ fixed points, attention, massive activations, logit lens) and the report
 tabulates the variants (`--mode=report` on the sweep root: `ablations.md`).
 
 Variants: `composition` (default: `sysgen.py:cpu`, 2-hop composition),
-`chains` (`extrapolation.py:cpu` with fixed R = 4 and a shorter budget),
-`tiny` (smoke test).
+`chains` (`extrapolation.py:cpu` with fixed R = 4, trained on k <= 3 hops,
+20k steps), `tiny` (smoke test).
 
   python launch/sweep.py --config=experiments/ablations.py --root=runs/ablations
+  python launch/sweep.py --config=experiments/ablations.py:chains \
+      --root=runs/ablations_chains
   for d in runs/ablations/*/; do python -m loopjax.main --mode=analyze --workdir=$d; done
   python -m loopjax.main --mode=report --workdir=runs/ablations
 """
@@ -28,7 +30,7 @@ def get_config(variant: str = "composition"):
     c = extrapolation.get_config("cpu")
     c.train.depth.dist = "fixed"  # the factors, not sampled depth, vary here
     c.model.num_loops = 4
-    c.data.train_hops = 4
+    c.data.update(max_hops=8, train_hops=3)  # fixed R = 4 reached k = 3, not 4
     c.train.num_steps = 20_000
   else:
     raise ValueError(

@@ -1,14 +1,15 @@
 """Runs an experiment's sweep locally: one workdir per point, named by its overrides.
 
   python launch/sweep.py --config=experiments/sysgen.py[:variant] --root=runs/sweep \
-      [--sweep=NAME] [--parallel=2] [--dry-run] [-- extra loopjax.main flags]
+      [--sweep=NAME] [--parallel=2] [--analyze] [--dry-run] [-- extra main flags]
 
 `sweep(name)` in the experiment file returns a list of {field: value} overrides
 (`--sweep` picks which of the file's sweeps; default its first); run k of it
 trains in `<root>/<field=value,...>`. With --parallel=N, N runs go at
 once, each pinned to its own core; when one ends, the next run takes its core
 (on 2 cores two pinned runs finish a sweep ~1.36x sooner than one run after
-another: docs/performance.md). A rerun resumes or skips
+another: docs/performance.md). With --analyze each run is `--mode=analyze`d
+once it has trained (same flags, same core). A rerun resumes or skips
 finished runs, since each run resumes from its own workdir.
 """
 
@@ -44,8 +45,13 @@ def run_name(overrides: dict) -> str:
 
 
 def commands(
-  config_arg: str, root: Path, extra: list[str], name: str | None = None
-) -> list[tuple[str, list]]:
+  config_arg: str,
+  root: Path,
+  extra: list[str],
+  name: str | None = None,
+  analyze: bool = False,
+) -> list[tuple[str, list[list[str]]]]:
+  """(run name, the commands it runs one after another) per sweep point."""
   out = []
   for overrides in load_sweep(config_arg, name):
     name = run_name(overrides)
@@ -58,8 +64,13 @@ def commands(
       *extra,
       *(f"--config.{k}={v}" for k, v in overrides.items()),
     ]
-    out.append((name, cmd))
+    out.append((name, [cmd, [*cmd, "--mode=analyze"]] if analyze else [cmd]))
   return out
+
+
+def _shell(cmds: list[list[str]]) -> list[str]:
+  """One command running `cmds` in turn, stopping at the first that fails."""
+  return cmds[0] if len(cmds) == 1 else ["sh", "-c", " && ".join(map(shlex.join, cmds))]
 
 
 def main(argv=None) -> int:
@@ -68,19 +79,21 @@ def main(argv=None) -> int:
   p.add_argument("--root", required=True, type=Path)
   p.add_argument("--sweep", default=None, help="which sweep of the file")
   p.add_argument("--parallel", type=int, default=1)
+  p.add_argument("--analyze", action="store_true", help="then --mode=analyze")
   p.add_argument("--dry-run", action="store_true")
   args, extra = p.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
-  runs = commands(args.config, args.root, extra, args.sweep)
+  runs = commands(args.config, args.root, extra, args.sweep, args.analyze)
   if args.dry_run:
-    for _, cmd in runs:
-      print(shlex.join(cmd))
+    for _, cmds in runs:
+      print(" && ".join(map(shlex.join, cmds)))
     return 0
   args.root.mkdir(parents=True, exist_ok=True)
   cores = sorted(os.sched_getaffinity(0))
   free = [cores[i % len(cores)] for i in range(args.parallel)]
   failed, active = [], []
-  for name, cmd in runs:
+  for name, cmds in runs:
+    cmd = _shell(cmds)
     if len(active) == args.parallel:  # the next run takes the first core to free
       done = _wait_any(active)
       failed += _wait(done)

@@ -174,12 +174,12 @@ def grokking_run(tmp_path_factory):
   return c, root / "run"
 
 
-def test_analyze_writes_every_mechanistic_analysis(grokking_run):
-  from loopjax import analyze
+def test_analyze_and_the_ablation_table(grokking_run):
+  from loopjax import analyze, report
 
   config, workdir = grokking_run
   config = config.copy_and_resolve_references()
-  config.analyze.names = ("logit_lens", "fixed_points", "attention", "activations")
+  config.analyze.names = ("overthinking", *analyze.MECHANISTIC)
   paths = {p.name for p in analyze.analyze(config, workdir)}
   for name in config.analyze.names:
     assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths
@@ -196,3 +196,21 @@ def test_analyze_writes_every_mechanistic_analysis(grokking_run):
   attn = json.loads((workdir / "analysis" / "attention.json").read_text())
   profile = np.asarray(attn["attention"]["test_inferred_ood"]["profile"])
   np.testing.assert_allclose(profile.sum(-1), 1, rtol=1e-5)
+
+  # The sweep report's ablation table: this run, as a one-run sweep.
+  report.report(workdir.parent)
+  (row,) = (workdir.parent / "ablations.md").read_text().splitlines()[2:]
+  acc = json.loads((workdir / "analysis" / "overthinking.json").read_text())
+  R = config.model.num_loops
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[:3] == [
+    "run",
+    f"1 x {R}",
+    f"{acc['overthinking']['test_inferred_ood']['acc'][R - 1]:.3f}",
+  ]
+  assert cells[5].split(" (")[0] in (
+    "fixed point",
+    "cyclic fixed point",
+    "not converged",
+  ) or cells[5].startswith("cycle")
+  assert len(cells[6].split()) == 3  # ColSum shares of the 3 key positions

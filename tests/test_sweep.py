@@ -20,6 +20,16 @@ def test_dry_run_lists_one_command_per_sweep_point(tmp_path, capsys):
     assert line.endswith(f"--config.model.num_loops={r}")
 
 
+def test_analyze_follows_each_run(tmp_path, capsys):
+  args = ["--config=experiments/ablations.py", f"--root={tmp_path}", "--dry-run"]
+  assert sweep.main([*args, "--analyze"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 7  # ablations.py imports sysgen.py: found from launch/
+  train, analyze = lines[1].split(" && ")
+  assert train.endswith("--config.model.injection=add")
+  assert analyze == f"{train} --mode=analyze"
+
+
 def test_named_sweep_and_unknown_name(tmp_path, capsys):
   args = ["--config=experiments/sysgen.py", f"--root={tmp_path}", "--dry-run"]
   assert sweep.main([*args, "--sweep=seeds"]) == 0
@@ -84,7 +94,7 @@ def test_the_next_run_takes_the_first_core_to_free(tmp_path, monkeypatch):
       "json.dump({'start': t, 'end': time.time(), 'cores': sorted("
       "os.sched_getaffinity(0))}, open(sys.argv[2], 'w'))"
     )
-    return name, [sys.executable, "-c", code, str(seconds), str(tmp_path / name)]
+    return name, [[sys.executable, "-c", code, str(seconds), str(tmp_path / name)]]
 
   jobs = [job("slow", 4), job("fast", 0.1), job("third", 0.1)]
   monkeypatch.setattr(sweep, "commands", lambda *_: jobs)
