@@ -11,16 +11,15 @@ Variants: `composition` (default: `sysgen.py:cpu`, 2-hop composition),
 `chains` (`extrapolation.py:cpu` with fixed R = 4, trained on k <= 3 hops,
 20k steps), `tiny` (smoke test).
 
-  python launch/sweep.py --config=experiments/ablations.py --root=runs/ablations
-  python launch/sweep.py --config=experiments/ablations.py:chains \
-      --root=runs/ablations_chains
-  for d in runs/ablations/*/; do python -m loopjax.main --mode=analyze --workdir=$d; done
+  python launch/sweep.py --config=experiments/ablations.py --root=runs/ablations \
+      --analyze --parallel=2
   python -m loopjax.main --mode=report --workdir=runs/ablations
+  python launch/sweep.py --config=experiments/ablations.py:chains --sweep=chains \
+      --root=runs/ablations_chains --analyze --parallel=2
 """
 
 from experiments import extrapolation, sysgen
-
-MECHANISTIC = ("fixed_points", "attention", "activations", "logit_lens")
+from loopjax.config import MECHANISTIC
 
 
 def get_config(variant: str = "composition"):
@@ -43,17 +42,17 @@ def get_config(variant: str = "composition"):
 
 
 def sweep(name: str = "factors"):
-  """`factors`: the default model (`default`) and one change at a time."""
+  """One change at a time from the default model (`default`). `factors`: from
+  composition's (no injection); `chains`: from the chains variant's (`add`)."""
+  others = [
+    {"model.norm_position": "sandwich"},
+    {"model.num_layers": 2, "model.num_loops": 2},
+    {"model.num_layers": 4, "model.num_loops": 1},
+    {"model.init_state": "random"},
+  ]
   sweeps = {
-    "factors": [
-      {},
-      {"model.injection": "add"},
-      {"model.injection": "concat"},
-      {"model.norm_position": "sandwich"},
-      {"model.num_layers": 2, "model.num_loops": 2},
-      {"model.num_layers": 4, "model.num_loops": 1},
-      {"model.init_state": "random"},
-    ]
+    "factors": [{}, *({"model.injection": x} for x in ("add", "concat")), *others],
+    "chains": [{}, *({"model.injection": x} for x in ("none", "concat")), *others],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

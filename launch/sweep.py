@@ -121,7 +121,8 @@ def _pinned(cmd: list, core: int) -> list:
   """`cmd` pinned to one core: a tiny Python sets its affinity, then execs `cmd`
   (affinity survives exec; this process, which may hold threads, never forks)."""
   pin = (
-    "import os, sys; os.sched_setaffinity(0, {%d}); os.execv(sys.argv[1], sys.argv[1:])"
+    "import os, sys; os.sched_setaffinity(0, {%d}); "
+    "os.execvp(sys.argv[1], sys.argv[1:])"  # p: a command on PATH (sh) too
   )
   return [sys.executable, "-c", pin % core, *cmd]
 

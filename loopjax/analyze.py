@@ -27,10 +27,9 @@ from loopjax.analysis import (
   mechanistic_figures,
   overthinking,
 )
+from loopjax.config import MECHANISTIC, ConfigError
 from loopjax.data import kg, pipeline
 from loopjax.state import cast
-
-MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
 
 
 def train_depths(config) -> list[int]:
@@ -139,7 +138,11 @@ def lens_phases(config, workdir: Path, probes, pad) -> list[dict]:
   for phase, step in sorted(grokking.load(workdir).items(), key=lambda x: x[1]):
     if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
       continue
-    _, graphdef, params, _ = evaluate.restore_params(config, workdir, step)
+    try:
+      _, graphdef, params, _ = evaluate.restore_params(config, workdir, step)
+    except ConfigError as e:  # a damaged checkpoint: the other phases still count
+      print(f"logit lens: phase {phase} left out: {e}")
+      continue
     lens = trace_all(config, graphdef, params, probes, pad, ["logit_lens"])
     out.append({"phase": phase, "step": step, **lens})
   return out

@@ -35,14 +35,9 @@ HALTING_CRITERIA = (
   "argmax",
   "fixed",
 )
-ANALYSES = (
-  "overthinking",
-  "halting",
-  "logit_lens",
-  "fixed_points",
-  "attention",
-  "activations",
-)
+# The mechanistic ones read one traced pass (every layer's output and weights).
+MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
+ANALYSES = ("overthinking", "halting", *MECHANISTIC)
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -316,6 +311,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "analyze.halting.r_min",
     "analyze.halting.r_max",
   )
+  if a.max_depth < 2 and any(n in MECHANISTIC for n in a.names):
+    raise ConfigError(
+      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)} (they "
+      f"compare successive iterations); got {a.max_depth}"
+    )
   if not a.tol > 0:
     raise ConfigError(f"analyze.tol: must be > 0; got {a.tol!r}")
   if a.halting.r_min > a.halting.r_max:

@@ -23,10 +23,9 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from loopjax import checkpoint, data, evaluate, metrics, recurrence
+from loopjax import checkpoint, curriculum, data, evaluate, metrics, recurrence
 from loopjax.analysis import grokking
 from loopjax.config import ConfigError, conflicts, first_line, to_json
-from loopjax.data import pipeline
 from loopjax.state import answer_loss, answer_xent, cast, train_state
 
 
@@ -134,27 +133,6 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
-def check_task(config, task) -> None:
-  """What validation cannot see before the data are loaded (the papers' files
-  fix their own hop counts): the hops to train on and the held-out chains each
-  curriculum stage advances on must exist."""
-  if task.task != "chains":
-    return
-  if config.data.train_hops > task.max_hops:
-    raise ConfigError(
-      f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "
-      f"hops); got {config.data.train_hops}"
-    )
-  cur = config.train.curriculum
-  stages = range(cur.start, config.data.train_hops) if cur.enabled else ()
-  for k in stages:
-    if not len(task.splits[f"test_k{k}"]["target"]):
-      raise ConfigError(
-        f"train.curriculum.enabled: stage {k} advances on {k}-hop held-out "
-        f"chains and the data have none"
-      )
-
-
 def _check_writable(workdir: Path) -> None:
   """Fails now, not at the first checkpoint, if the workdir cannot be written."""
   probe = workdir / f".write-probe-{jax.process_index()}"
@@ -217,46 +195,12 @@ class _Preemption:
     self.signal = signal.Signals(signum).name
 
 
-def _train_iterator(config, task):
-  """The pipeline over the training split; per curriculum stage, if enabled."""
-
-  def make(max_hops=config.data.train_hops):
-    return pipeline.train_iterator(
-      data.train_split(task, max_hops),
-      config.train.batch_size,
-      config.seed,
-      task.vocab.pad_id,
-      config.data.atomic_repeat,
-    )
-
-  cur = config.train.curriculum
-  return pipeline.StagedIterator(make, cur.start) if cur.enabled else make()
-
-
-def _advance(run, state, step: int, last: dict):
-  """Moves the curriculum on when the current stage's held-out chains are
-  answered well enough; returns the new state and whether it advanced."""
-  cur, it = run.config.train.curriculum, run.train_iter
-  if not (
-    cur.enabled
-    and it.stage < run.config.data.train_hops
-    and last.get(f"eval/test_k{it.stage}/acc", 0.0) >= cur.threshold
-  ):
-    return state, False
-  it.set_stage(it.stage + 1)
-  state = state | {"stage": jnp.int32(it.stage)}
-  if cur.reset_optimizer:
-    state["opt_state"] = run.tx.init(state["params"])
-  run.phases[f"stage_{it.stage}"] = step
-  return state, True
-
-
 def train_and_evaluate(config, workdir) -> dict:
   """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
   workdir = Path(workdir)
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
-  check_task(config, task)
+  curriculum.check_task(config, task)
   _check_writable(workdir)
   with _exclusive(workdir):
     return _train(config, workdir, task)
@@ -287,7 +231,7 @@ def _train(config, workdir: Path, task) -> dict:
   graphdef, state, tx = train_state(config, task)
   train_step = make_train_step(graphdef, tx, config.model, config.train)
   evaluator = evaluate.Evaluator(graphdef, config, task)
-  train_iter = _train_iterator(config, task)
+  train_iter = curriculum.train_iterator(config, task)
 
   phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
   mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
@@ -346,7 +290,7 @@ def _train(config, workdir: Path, task) -> dict:
   print(
     f"phases: {grokking.summary(phases)}"
     if config.data.task == "composition"
-    else f"curriculum: {stages_summary(phases, config)}"
+    else f"curriculum: {curriculum.stages_summary(phases, config)}"
   )
   if preempt.signal is not None:
     print(
@@ -411,7 +355,7 @@ def _loop(run: _Run, state, start: int):
         # On the cadence only: where a run stops must not change its course.
         advanced = False
         if step % config.eval_every == 0:
-          state, advanced = _advance(run, state, step, last)
+          state, advanced = curriculum.advance(run, state, step, last)
         if advanced:
           new.append(f"curriculum stage {run.train_iter.stage}")
         if new:
@@ -429,23 +373,6 @@ def _loop(run: _Run, state, start: int):
     if preempt.signal is not None and saved != step:
       checkpoint.save(mngr, step, state, train_iter)
     return step, last
-
-
-def stages_summary(phases: dict, config) -> str:
-  """When each curriculum stage began (chains runs)."""
-  cur = config.train.curriculum
-  if not cur.enabled:
-    return f"off (hops <= {config.data.train_hops} throughout)"
-  stages = range(cur.start + 1, config.data.train_hops + 1)
-  return (
-    ", ".join(
-      f"k={k} at step {phases[f'stage_{k}']}"
-      if f"stage_{k}" in phases
-      else f"k={k} not reached"
-      for k in stages
-    )
-    or f"one stage (k <= {cur.start})"
-  )
 
 
 def _check_finite(step: int, step_metrics) -> dict:

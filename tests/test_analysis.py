@@ -87,6 +87,12 @@ def test_logit_lens_ranks_under_a_known_unembedding():
   assert summary["examples"] == 1
   assert summary["core"]["bridge"]["relation"]["mrr"] == [[1.0], [0.5]]
   assert summary["core"]["answer"]["answer"]["top1"] == [[1.0], [1.0]]
+  # Prelude and coda layers are read the same way, per layer.
+  one_layer = {"hidden": jnp.asarray(h[1])}  # (P=1, B, T, D): entity 5 everywhere
+  trace |= {"prelude": one_layer, "coda": one_layer}
+  out = logit_lens.per_example(model, trace, batch)
+  assert out["prelude"][0].shape == (1, 1, 2, 2)  # (B, P, position, target)
+  assert out["coda"][0][0, 0].tolist() == [[1, 0], [1, 0]]
   # Atomic facts (no bridge) are left out.
   assert logit_lens.summarize({}, np.array([-1])) == {"examples": 0}
 
@@ -154,6 +160,12 @@ def test_trace_is_the_forward_pass():
   np.testing.assert_allclose(
     model.logits(h_BTD[jnp.arange(2), pos]), model(tokens, pos, num_loops=3), atol=1e-5
   )
+  # Iteration r's last layer, through the coda, is the answer after r iterations.
+  per_iteration = jax.vmap(lambda h: model.readout(h, pos))(
+    trace["core"]["hidden"][:, -1]
+  )
+  _, logits_RBV = model(tokens, pos, num_loops=3, per_iteration=True)
+  np.testing.assert_allclose(per_iteration, logits_RBV, atol=1e-5)
   attn = np.asarray(trace["core"]["attn"])
   np.testing.assert_allclose(attn.sum(-1), 1, rtol=1e-5)
   assert np.all(np.triu(np.ones((3, 3)), 1) * attn == 0)
@@ -208,9 +220,8 @@ def test_analyze_and_the_ablation_table(grokking_run):
     f"1 x {R}",
     f"{acc['overthinking']['test_inferred_ood']['acc'][R - 1]:.3f}",
   ]
-  assert cells[5].split(" (")[0] in (
-    "fixed point",
-    "cyclic fixed point",
-    "not converged",
-  ) or cells[5].startswith("cycle")
-  assert len(cells[6].split()) == 3  # ColSum shares of the 3 key positions
+  fp = json.loads((workdir / "analysis" / "fixed_points.json").read_text())
+  assert cells[5].startswith(fp["fixed_points"]["test_inferred_ood"]["kind"] + " (")
+  profile = attn["attention"]["test_inferred_ood"]["profile"]
+  shares = np.asarray(profile).mean((0, 1))  # over layers and heads
+  assert cells[6] == " ".join(f"{x:.2f}" for x in shares)

@@ -45,6 +45,8 @@ BAD_CHAINS = [
   ("analyze.halting.criteria", ("kl", "x"), "analyze.halting.criteria: each must"),
   ("analyze.halting.r_min", 17, "analyze.halting.r_min: must be <= analyze.halting"),
   ("analyze.max_depth", 0, "analyze.max_depth: must be >= 1"),
+  ("analyze.max_depth", 1, "analyze.max_depth: must be >= 2 for logit_lens"),
+  ("analyze.tol", 0.0, "analyze.tol: must be > 0"),
   ("model.num_heads", 64, "model.num_heads: rope needs an even head dimension"),
 ]
 

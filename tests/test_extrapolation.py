@@ -10,7 +10,7 @@ import pytest
 from conftest import losses, run
 
 from experiments import extrapolation
-from loopjax import evaluate, metrics, train
+from loopjax import curriculum, evaluate, metrics, train
 from loopjax.analysis import overthinking
 from loopjax.config import ANALYSES, ConfigError
 from loopjax.data import kg, pipeline
@@ -98,12 +98,12 @@ def test_data_must_hold_the_hops_the_config_trains_on(config):
   """The papers' files fix their own hop counts; checked once loaded."""
   task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=4)
   with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
-    train.check_task(config, task)  # train_hops 4
+    curriculum.check_task(config, task)  # train_hops 4
   config.data.train_hops = 3
-  train.check_task(config, task)
+  curriculum.check_task(config, task)
   task.splits["test_k2"] = kg.sample(task.splits["test_k2"], 0, seed=0)
   with pytest.raises(ConfigError, match=r"^train.curriculum.enabled: stage 2 adv"):
-    train.check_task(config, task)
+    curriculum.check_task(config, task)
 
 
 @pytest.mark.parametrize("reset", [False, True])
@@ -117,9 +117,9 @@ def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
   made = []
   it = pipeline.StagedIterator(lambda k: made.append(k) or iter(()), 2)
   run = types.SimpleNamespace(config=config, train_iter=it, tx=tx, phases={})
-  same, advanced = train._advance(run, state, 20, {"eval/test_k2/acc": 0.89})
+  same, advanced = curriculum.advance(run, state, 20, {"eval/test_k2/acc": 0.89})
   assert not advanced and same is state and made == [2]
-  new, advanced = train._advance(run, state, 40, {"eval/test_k2/acc": 0.9})
+  new, advanced = curriculum.advance(run, state, 40, {"eval/test_k2/acc": 0.9})
   assert advanced and int(new["stage"]) == 3 and made == [2, 3]
   assert run.phases == {"stage_3": 40}
   fresh = jax.tree.leaves(tx.init(state["params"]))
@@ -132,7 +132,7 @@ def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
     np.testing.assert_array_equal(b, f if reset else a)
   # At the last stage (data.train_hops = 4) it stays.
   it.set_stage(4)
-  assert not train._advance(run, new, 60, {"eval/test_k4/acc": 1.0})[1]
+  assert not curriculum.advance(run, new, 60, {"eval/test_k4/acc": 1.0})[1]
 
 
 def test_margin_matches_numpy():

@@ -30,6 +30,23 @@ def test_analyze_follows_each_run(tmp_path, capsys):
   assert analyze == f"{train} --mode=analyze"
 
 
+def test_pinned_runs_chain_their_commands(tmp_path, monkeypatch):
+  """--analyze's second command runs after the first, on the same core."""
+  import sys
+
+  def cmd(name):
+    out = str(tmp_path / name)
+    code = f"import os; open({out!r}, 'w').write(str(os.sched_getaffinity(0)))"
+    return [sys.executable, "-c", code]
+
+  jobs = [(f"run{i}", [cmd(f"train{i}"), cmd(f"analyze{i}")]) for i in range(2)]
+  monkeypatch.setattr(sweep, "commands", lambda *_: jobs)
+  assert sweep.main(["--config=x", f"--root={tmp_path}", "--parallel=2"]) == 0
+  for i in range(2):
+    train, analyze = ((tmp_path / f"{s}{i}").read_text() for s in ("train", "analyze"))
+    assert train == analyze and len(eval(train)) == 1
+
+
 def test_named_sweep_and_unknown_name(tmp_path, capsys):
   args = ["--config=experiments/sysgen.py", f"--root={tmp_path}", "--dry-run"]
   assert sweep.main([*args, "--sweep=seeds"]) == 0

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import plt, save
+from loopjax.analysis.figures import markdown, plt, save
+from loopjax.analysis.mechanistic_figures import main_result
 from loopjax.metrics import read_jsonl, wall_times
 
 COLUMNS = (
@@ -43,26 +44,25 @@ def row(run: Path) -> dict:
   out["wall_s"] = max(walls.values(), default=None)
   over = _load(run, "overthinking")
   if over:
-    split = over.get("main_split", "test_inferred_ood")
-    acc = over["overthinking"][split]["acc"]
-    out["split"], out["acc"] = split, acc
+    out["split"], res = main_result(over, "overthinking")
+    acc = out["acc"] = res["acc"]
     out["acc_at"] = {
       k: acc[k * R - 1] if k * R <= len(acc) else None for k in (1, 2, 4)
     }
   fp = _load(run, "fixed_points")
   if fp:
-    res = fp["fixed_points"][fp["main_split"]]
+    res = main_result(fp, "fixed_points")[1]
     out["kind"] = res["kind"]
     out["converged_at"] = [x["converged_at"] for x in res["layers"]]
     out["change"] = res["layers"][-1]["change"]
   att = _load(run, "attention")
   if att:
-    res = att["attention"][att["main_split"]]
+    res = main_result(att, "attention")[1]
     out["profile"] = np.asarray(res["profile"]).mean((0, 1)).tolist()
     out["top_share"] = float(np.asarray(res["top_share"])[-1].mean())
   lens = _load(run, "logit_lens")
   if lens:
-    core = lens["logit_lens"][lens["main_split"]].get("core")
+    core = main_result(lens, "logit_lens")[1].get("core")
     if core:
       out["bridge_mrr"] = float(np.max(core["bridge"]["relation"]["mrr"]))
   return out
@@ -70,7 +70,7 @@ def row(run: Path) -> dict:
 
 def table(rows: list[dict]) -> str:
   """Markdown, one line per run."""
-  lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+  lines = []
   for r in rows:
     acc = r.get("acc_at", {})
     conv = r.get("converged_at")
@@ -84,8 +84,8 @@ def table(rows: list[dict]) -> str:
       _num(r.get("bridge_mrr")),
       "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min",
     ]
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
+    lines.append(cells)
+  return markdown(list(COLUMNS), lines)
 
 
 def _num(x) -> str:

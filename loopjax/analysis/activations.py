@@ -1,8 +1,10 @@
 """Massive activations (Sun et al. 2024) in the residual stream.
 
 Per layer and iteration of the core: the largest |activation| over the probe
-split's real tokens and model dimensions, the median |activation|, their ratio
-(Sun et al. call activations ~1000x the median "massive"), and where the largest
+split's real tokens and model dimensions, the median |activation| (the median
+over examples of each example's median, which batches can compute), their
+ratio (Sun et al. call activations ~1000x the median "massive"), and where the
+largest
 sits: the (token position, dimension) most often holding an example's maximum,
 with the share of examples for which it does.
 """
@@ -14,14 +16,14 @@ import numpy as np
 def per_example(trace: dict, batch, pad_id: int) -> dict:
   """max, median (B, R, L) of |h| over real tokens x dimensions; argmax (B, R,
   L), a flat index t * D + d."""
-  a = jnp.abs(trace["core"]["hidden"].astype(jnp.float32))  # (R, L, B, T, D)
-  real = (batch["inputs"] != pad_id)[None, None, :, :, None]
-  flat = a.reshape(*a.shape[:3], -1)
-  real_flat = jnp.broadcast_to(real, a.shape).reshape(flat.shape)
+  abs_RLBTD = jnp.abs(trace["core"]["hidden"].astype(jnp.float32))
+  real_11BT1 = (batch["inputs"] != pad_id)[None, None, :, :, None]
+  abs_RLBF = abs_RLBTD.reshape(*abs_RLBTD.shape[:3], -1)  # F = T * D
+  real_RLBF = jnp.broadcast_to(real_11BT1, abs_RLBTD.shape).reshape(abs_RLBF.shape)
   out = {
-    "max": jnp.where(real_flat, flat, -1.0).max(-1),
-    "argmax": jnp.where(real_flat, flat, -1.0).argmax(-1),
-    "median": jnp.nanmedian(jnp.where(real_flat, flat, jnp.nan), -1),
+    "max": jnp.where(real_RLBF, abs_RLBF, -1.0).max(-1),
+    "argmax": jnp.where(real_RLBF, abs_RLBF, -1.0).argmax(-1),
+    "median": jnp.nanmedian(jnp.where(real_RLBF, abs_RLBF, jnp.nan), -1),
   }
   return {k: jnp.moveaxis(v, 2, 0) for k, v in out.items()}
 

@@ -26,17 +26,16 @@ def colsum(attn_BNTS, mask_BT):
 def per_example(trace: dict, batch, pad_id: int) -> dict:
   """profile (B, R, L, N, S), top_share and entropy (B, R, L, N), stability
   (B, R-1, L, N)."""
-  attn = trace["core"]["attn"].astype(jnp.float32)  # (R, L, B, N, T, S)
+  attn_RLBNTS = trace["core"]["attn"].astype(jnp.float32)
   mask_BT = (batch["inputs"] != pad_id).astype(jnp.float32)
-  p = colsum(attn, mask_BT)  # broadcasts over (R, L)
-  tv = 0.5 * jnp.abs(attn[1:] - attn[:-1]).sum(-1)  # (R-1, L, B, N, T)
-  real = mask_BT[None, None, :, None]
-  tv = (tv * real).sum(-1) / real.sum(-1)
+  p_RLBNS = colsum(attn_RLBNTS, mask_BT)
+  tv_RLBNT = 0.5 * jnp.abs(attn_RLBNTS[1:] - attn_RLBNTS[:-1]).sum(-1)  # R - 1
+  real_11B1T = mask_BT[None, None, :, None]
   out = {
-    "profile": p,
-    "top_share": p.max(-1),
-    "entropy": -xlogy(p, p).sum(-1),
-    "stability": tv,
+    "profile": p_RLBNS,
+    "top_share": p_RLBNS.max(-1),
+    "entropy": -xlogy(p_RLBNS, p_RLBNS).sum(-1),
+    "stability": (tv_RLBNT * real_11B1T).sum(-1) / real_11B1T.sum(-1),
   }
   return {k: jnp.moveaxis(v, 2, 0) for k, v in out.items()}
 

@@ -149,8 +149,13 @@ def table(name: str, report: dict) -> str:
         for n in splits
       ]
       lines.append([_name(r), f"{acc:.3f} / {iters:.1f}", *cells])
+  return markdown(head, lines)
+
+
+def markdown(head: list[str], rows: list[list[str]]) -> str:
+  """A markdown table."""
   out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  return "\n".join(out + ["| " + " | ".join(x) + " |" for x in lines]) + "\n"
+  return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
 def save(fig, path: Path, tight: bool = True) -> Path:

@@ -26,8 +26,9 @@ def _norm(x_BTD, mask_BT):
 
 def per_example(trace: dict, batch, pad_id: int) -> dict:
   """change (B, R-1, L); cosine and distance (B, L, L) between the last
-  iteration's layer outputs; lag (B, P, L): relative distance of the last
-  state to the one p = 1..P iterations before."""
+  iteration's layer outputs; lag (B, P, L): distance of the last state to the
+  one p = 1..P iterations before, relative to the earlier one (as `change`:
+  lag p = 1 is the last change)."""
   h_RLBTD = trace["core"]["hidden"].astype(jnp.float32)
   mask_BT = (batch["inputs"] != pad_id).astype(jnp.float32)
   size_RLB = _norm(h_RLBTD, mask_BT)
@@ -41,7 +42,7 @@ def per_example(trace: dict, batch, pad_id: int) -> dict:
   R = h_RLBTD.shape[0]
   lag_PLB = jnp.stack(
     [
-      _norm(h_RLBTD[-1] - h_RLBTD[-1 - p], mask_BT) / size_RLB[-1]
+      _norm(h_RLBTD[-1] - h_RLBTD[-1 - p], mask_BT) / size_RLB[-1 - p]
       for p in range(1, min(MAX_PERIOD, R - 1) + 1)
     ]
   )

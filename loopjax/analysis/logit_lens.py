@@ -18,7 +18,8 @@ TARGETS = ("bridge", "answer")  # what is looked for
 
 
 def ranks(logits_V, target):
-  """(rank, probability) of `target` under logits (..., V); target (...)."""
+  """(rank, probability) of `target` under logits (..., V); target (...).
+  The rank counts strictly larger logits: ties go in the target's favour."""
   logit = jnp.take_along_axis(logits_V, target[..., None], -1)
   rank = (logits_V > logit).sum(-1)
   logp = jax.nn.log_softmax(logits_V, -1)

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import plt, save
+from loopjax.analysis.figures import markdown, plt, save
 
+# (what is looked for, where it is read); the phases figure shows the two where
+# composition shows up: the bridge at the relation, the answer at the answer.
 LENS_PANELS = [(t, p) for t in ("bridge", "answer") for p in ("relation", "answer")]
+LENS_KEY_PANELS = [("bridge", "relation"), ("answer", "answer")]
 
 
 def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
@@ -20,10 +23,11 @@ def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
   return paths
 
 
-def _main(report: dict, name: str) -> tuple[str, dict]:
+def main_result(report: dict, name: str) -> tuple[str, dict]:
+  """(split, result) of the run's main held-out split (else the first split)."""
   results = report[name]
-  split = report["main_split"]
-  if split not in results:  # e.g. a split with no examples
+  split = report.get("main_split")
+  if split not in results:  # e.g. a report written before main_split existed
     split = next(iter(results))
   return split, results[split]
 
@@ -47,7 +51,7 @@ def _ticks(R: int):
 def logit_lens(report: dict, path: Path) -> Path:
   """Mean reciprocal rank of the bridge and of the answer, read at the first
   relation's position and at the answer position, per iteration x layer."""
-  split, lens = _main(report, "logit_lens")
+  split, lens = main_result(report, "logit_lens")
   fig, axes = plt.subplots(1, 4, figsize=(14, 4.2), layout="constrained")
   axes[0].set_ylabel("iteration")
   if "core" in lens:
@@ -69,7 +73,7 @@ def lens_phases(report: dict, path: Path) -> Path:
   phases = [p for p in report["phases"] if "core" in p["logit_lens"].get(split, {})]
   for i, ph in enumerate(phases):
     core = ph["logit_lens"][split]["core"]
-    for ax, (t, p) in zip(axes, LENS_PANELS[::3], strict=True):
+    for ax, (t, p) in zip(axes, LENS_KEY_PANELS, strict=True):
       mrr_R = np.asarray(core[t][p]["mrr"])[:, -1]
       ax.plot(
         np.arange(1, len(mrr_R) + 1),
@@ -91,8 +95,8 @@ def lens_phases(report: dict, path: Path) -> Path:
 
 def fixed_points(report: dict, path: Path) -> Path:
   """Relative change of each layer's output per iteration (log scale) and the
-  cosine similarity of the layers' limit states."""
-  split, fp = _main(report, "fixed_points")
+  relative distance between the layers' limit states."""
+  split, fp = main_result(report, "fixed_points")
   fig, axes = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
   for l, layer in enumerate(fp["layers"]):
     change = np.asarray(layer["change"])
@@ -106,11 +110,12 @@ def fixed_points(report: dict, path: Path) -> Path:
   axes[0].set_ylabel("||h(r+1) - h(r)|| / ||h(r)||")
   axes[0].legend(fontsize=8)
   axes[0].grid(alpha=0.3)
-  cos = np.asarray(fp["distance"])
-  im = axes[1].imshow(cos, vmin=0, cmap="magma")
+  dist_LL = np.asarray(fp["distance"])
+  im = axes[1].imshow(dist_LL, vmin=0, cmap="magma")
   axes[1].set_title("relative distance between limit states", fontsize=9)
-  axes[1].set_xticks(range(len(cos)), [str(x + 1) for x in range(len(cos))])
-  axes[1].set_yticks(range(len(cos)), [str(x + 1) for x in range(len(cos))])
+  layers = [str(x + 1) for x in range(len(dist_LL))]
+  axes[1].set_xticks(range(len(dist_LL)), layers)
+  axes[1].set_yticks(range(len(dist_LL)), layers)
   axes[1].set_xlabel("layer")
   fig.colorbar(im, ax=axes[1], shrink=0.8)
   fig.suptitle(f"fixed points ({fp['kind']}), {split}, step {report['step']}")
@@ -120,7 +125,7 @@ def fixed_points(report: dict, path: Path) -> Path:
 def attention(report: dict, path: Path) -> Path:
   """Per layer and head: ColSum top share and pattern change per iteration; the
   normalized column sums at the last iteration."""
-  split, att = _main(report, "attention")
+  split, att = main_result(report, "attention")
   top_RLN, tv_RLN = np.asarray(att["top_share"]), np.asarray(att["stability"])
   profile_LNS = np.asarray(att["profile"])
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -153,7 +158,7 @@ def attention(report: dict, path: Path) -> Path:
 
 def activations(report: dict, path: Path) -> Path:
   """Largest |activation| over the median, per iteration and layer."""
-  split, act = _main(report, "activations")
+  split, act = main_result(report, "activations")
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for key, ax in (("ratio", axes[0]), ("max", axes[1])):
     m_RL = np.asarray(act[key])
@@ -195,14 +200,17 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
       *(f"{t} MRR at {p}: best (r, l) / last" for t, p in LENS_PANELS),
     ]
     for split, lens in report[name].items():
-      if "core" not in lens:
-        continue
-      cells = []
-      for t, p in LENS_PANELS:
-        mrr = lens["core"][t][p]["mrr"]
-        best, r, l = _best(mrr)
-        cells.append(f"{best:.2f} ({r}, {l}) / {mrr[-1][-1]:.2f}")
-      out.append([split, str(lens["examples"]), *cells])
+      for group in ("prelude", "core", "coda"):  # prelude / coda: r is "-"
+        if group not in lens:
+          continue
+        cells = []
+        for t, p in LENS_PANELS:
+          mrr = np.atleast_2d(lens[group][t][p]["mrr"])  # prelude, coda: (1, layers)
+          best, r, l = _best(mrr)
+          at = f"({r}, {l})" if group == "core" else f"(-, {l})"
+          cells.append(f"{best:.2f} {at} / {mrr[-1, -1]:.2f}")
+        label = split if group == "core" else f"{split} ({group})"
+        out.append([label, str(lens["examples"]), *cells])
   elif name == "fixed_points":
     head = [
       "split",
@@ -286,14 +294,12 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
 
 
 def table(name: str, report: dict) -> str:
-  head, lines = rows(name, report)
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  return "\n".join(out + ["| " + " | ".join(x) + " |" for x in lines]) + "\n"
+  return markdown(*rows(name, report))
 
 
 def summary(name: str, report: dict) -> str:
   """One line for the console, on the main split."""
-  split, res = _main(report, name)
+  split, res = main_result(report, name)
   if name == "logit_lens":
     if "core" not in res:
       return f"{split}: no inferred queries"

@@ -86,9 +86,9 @@ def map_batches(fn, split, batch_size: int, pad_id: int, *, axis=0, columns=()):
   """`fn(batch)` over `eval_batches`: its outputs (a pytree of arrays whose
   `axis` runs over the batch) concatenated on the host, padding cut."""
   n = len(split["target"])
-  outs = [
-    jax.device_get(fn(b)) for b in eval_batches(split, batch_size, pad_id, columns)
-  ]
+  outs = jax.device_get(  # every batch dispatched before the first is read
+    [fn(b) for b in eval_batches(split, batch_size, pad_id, columns)]
+  )
   return jax.tree.map(
     lambda *o: np.take(np.concatenate(o, axis), np.arange(n), axis), *outs
   )

@@ -82,9 +82,12 @@ class LoopedTransformer(nnx.Module):
       )
     return h_BTD
 
-  def core_step(self, h_BTD, x_BTD):
-    """One iteration of the shared core, with the input injected first."""
+  def core_step(self, h_BTD, x_BTD, with_probs: bool = False):
+    """One iteration of the shared core, with the input injected first;
+    with_probs: also each layer's output and attention weights (`trace`)."""
     h_BTD = self.inject(h_BTD, x_BTD)
+    if with_probs:
+      return _traced(self.core, h_BTD)
     for block in self.core:
       h_BTD = block(h_BTD)
     return h_BTD
@@ -117,13 +120,13 @@ class LoopedTransformer(nnx.Module):
     x_BTD, out["prelude"] = _traced(self.prelude, x_BTD)
     h_BTD = self.initial_state(x_BTD, key)
     (B, T, D), L, N = h_BTD.shape, len(self.core), self.cfg.num_heads
-    none = {
+    layers0 = {  # the carry's shape before the first iteration
       "hidden": jnp.zeros((L, B, T, D), h_BTD.dtype),
       "attn": jnp.zeros((L, B, N, T, T), h_BTD.dtype),
     }
     (h_BTD, _), out["core"] = recurrence.unroll(
-      lambda carry: _traced(self.core, self.inject(carry[0], x_BTD)),
-      (h_BTD, none),
+      lambda carry: self.core_step(carry[0], x_BTD, with_probs=True),
+      (h_BTD, layers0),
       num_loops,
       scan_unroll=self.cfg.scan_unroll,
       readout=lambda carry: carry[1],
