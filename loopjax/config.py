@@ -51,6 +51,8 @@ RESUMABLE = (
   "data.data_dir",
   "phases",
   "analyze",
+  "mesh",  # a checkpoint restores on any mesh: where the math runs, not what
+  "sharding",
 )
 
 
@@ -149,6 +151,19 @@ def base() -> ml_collections.ConfigDict:
   # train_inferred, test_inferred_id and test_inferred_ood.
   c.phases = dict(memorize=0.99, id=0.9, ood=0.9)
   c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
+  # The device mesh (sizes of data, fsdp, tensor; -1: the remaining devices)
+  # and which mesh axes each logical axis name is split over (sharding.py).
+  c.mesh = dict(data=-1, fsdp=1, tensor=1)
+  c.sharding = dict(
+    rules=(
+      ("batch", ("data", "fsdp")),
+      ("vocab", "tensor"),
+      ("embed", "fsdp"),
+      ("heads", "tensor"),
+      ("kv", None),
+      ("mlp", "tensor"),
+    )
+  )
   # `--mode=analyze`: overthinking curves to max_depth iterations; the halting
   # table over each criterion's thresholds (eps: KL / latent change, tau:
   # entropy in nats, patience: argmax streak), up to r_max iterations.

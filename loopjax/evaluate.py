@@ -11,7 +11,7 @@ import jax
 import optax
 from flax import nnx
 
-from loopjax import checkpoint, data
+from loopjax import checkpoint, data, sharding
 from loopjax.config import ConfigError
 from loopjax.data import kg, pipeline
 from loopjax.state import cast, train_state
@@ -34,24 +34,38 @@ def logits_per_iteration(graphdef, params, dtype: str, batch, num_loops: int, ke
 class Evaluator:
   """Evaluates params on the task's probe splits (`data.probes`)."""
 
-  def __init__(self, graphdef, config, task, depths=()):
+  def __init__(
+    self, graphdef, config, task, depths=(), mesh=None, param_shardings=None
+  ):
+    """With a mesh, batches are split over it (and `param_shardings` given for
+    the params); results come back replicated on every process."""
     self.R = config.model.num_loops
     self.depths = sorted({int(d) for d in depths} | {self.R})
     self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
     self.pad = task.vocab.pad_id
-    self.batch_size = min(
-      config.eval.batch_size,
-      max((len(v["target"]) for v in self.probes.values()), default=1),
-    )
+    split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
+    self.batch_size = (
+      -(
+        -min(
+          config.eval.batch_size,
+          max((len(v["target"]) for v in self.probes.values()), default=1),
+        )
+        // split
+      )
+      * split
+    )  # a multiple of the split (eval_batches pads the last batch)
     key, dtype, R_eval = (
       jax.random.key(config.seed),
       config.model.dtype,
       self.depths[-1],
     )
 
-    @jax.jit
     def eval_step(params, batch):
       """Per example and depth: cross-entropy and whether the argmax is right."""
+      with sharding.active(mesh, config.sharding.rules):
+        return _eval_step(params, batch)
+
+    def _eval_step(params, batch):
       logits_RBV = logits_per_iteration(graphdef, params, dtype, batch, R_eval, key)
       target_B = batch["target"]
       loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
@@ -59,12 +73,26 @@ class Evaluator:
       )
       return loss_RB, logits_RBV.argmax(-1) == target_B[None]
 
-    self._eval_step = eval_step
+    if mesh is None:
+      self._eval_step = jax.jit(eval_step)
+      self._put = lambda batch: batch
+    else:
+      batch_sharding = sharding.batch_sharding(mesh, config.sharding.rules)
+      self._eval_step = jax.jit(
+        eval_step,
+        in_shardings=(param_shardings, batch_sharding),
+        out_shardings=sharding.replicated(mesh),
+      )
+      self._put = lambda batch: sharding.global_from_full(batch, batch_sharding)
 
   def per_example(self, params, split):
     """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""
     return pipeline.map_batches(
-      lambda b: self._eval_step(params, b), split, self.batch_size, self.pad, axis=1
+      lambda b: self._eval_step(params, self._put(b)),
+      split,
+      self.batch_size,
+      self.pad,
+      axis=1,
     )
 
   def per_depth(self, params) -> tuple[dict, dict]:

@@ -6,6 +6,7 @@ import ml_collections
 import optax
 from flax import nnx
 
+from loopjax import sharding
 from loopjax.model import LoopedTransformer
 
 
@@ -65,6 +66,39 @@ def train_state(config, task):
   if config.train.curriculum.enabled:
     state["stage"] = jnp.int32(config.train.curriculum.start)
   return graphdef, state, tx
+
+
+def sharded_train_state(config, task, mesh, abstract: bool = False):
+  """`train_state` created already sharded on `mesh`: the state's shapes come
+  from an abstract init, their shardings from the logical-axis rules, and a
+  jitted init writes each shard where it lives (no full copy on one device).
+  Returns (graphdef, state, optimizer, the state's shardings); `abstract`:
+  the state as ShapeDtypeStructs with shardings, nothing computed (restore
+  targets, ahead-of-time compiles)."""
+  abstract_model = nnx.eval_shape(
+    lambda: build_model(
+      config.model, task.vocab.vocab_size, task.max_hops + 1, config.seed
+    )
+  )
+  graphdef = nnx.split(abstract_model, nnx.Param)[0]
+  tx = make_optimizer(config.train)
+
+  def init():
+    return train_state(config, task)[1]
+
+  shapes = jax.eval_shape(init)
+  shardings = sharding.state_shardings(
+    shapes, sharding.param_axes(abstract_model), tx, mesh, config.sharding.rules
+  )
+  if abstract:
+    state = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+      shapes,
+      shardings,
+    )
+  else:
+    state = jax.jit(init, out_shardings=shardings)()
+  return graphdef, state, tx, shardings
 
 
 def cast(params, dtype: str):

@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import time
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -23,10 +22,18 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from loopjax import checkpoint, curriculum, data, evaluate, metrics, recurrence
+from loopjax import (
+  checkpoint,
+  curriculum,
+  data,
+  evaluate,
+  metrics,
+  recurrence,
+  sharding,
+)
 from loopjax.analysis import grokking
 from loopjax.config import ConfigError, conflicts, first_line, to_json
-from loopjax.state import answer_loss, answer_xent, cast, train_state
+from loopjax.state import answer_loss, answer_xent, cast, sharded_train_state
 
 
 def supervised(mode: str, R: int, hops_B, depth=None):
@@ -52,15 +59,22 @@ def supervised(mode: str, R: int, hops_B, depth=None):
   return on_RB & (t_R1 <= last)
 
 
-def make_train_step(graphdef, tx, model_cfg, train_cfg):
-  """The jitted step; `train_cfg.supervise` picks the supervised iterations."""
+def make_train_step(
+  graphdef, tx, model_cfg, train_cfg, mesh=None, shardings=None, rules=()
+):
+  """The jitted step; `train_cfg.supervise` picks the supervised iterations.
+  With a mesh: in/out shardings of the state (`shardings`) and the batch (split
+  over the `batch` rule), metrics replicated, the recurrent state constrained."""
   label_smoothing = train_cfg.label_smoothing
   R, dd = model_cfg.num_loops, train_cfg.depth
   grad_depth = train_cfg.backprop_depth
   cur = train_cfg.curriculum
 
-  @partial(jax.jit, donate_argnums=0)
   def train_step(state, batch):
+    with sharding.active(mesh, rules):
+      return _step(state, batch)
+
+  def _step(state, batch):
     key = jax.random.fold_in(state["rng"], state["step"])
     if dd.dist == "fixed":
       depth, loops = None, R
@@ -113,7 +127,14 @@ def make_train_step(graphdef, tx, model_cfg, train_cfg):
       "train/grad_norm": optax.tree.norm(grads),
     } | extra
 
-  return train_step
+  if mesh is None:
+    return jax.jit(train_step, donate_argnums=0)
+  return jax.jit(
+    train_step,
+    donate_argnums=0,
+    in_shardings=(shardings, sharding.batch_sharding(mesh, rules)),
+    out_shardings=(shardings, sharding.replicated(mesh)),
+  )
 
 
 def check_workdir(config, workdir: Path) -> None:
@@ -130,6 +151,17 @@ def check_workdir(config, workdir: Path) -> None:
     raise ConfigError(
       f"--workdir={workdir} has checkpoints but no config.json; "
       "refusing to touch it. Use a new --workdir."
+    )
+
+
+def check_batch(config, mesh) -> None:
+  """The batch must split evenly over the mesh axes examples are split over."""
+  n = sharding.batch_split(mesh, config.sharding.rules)
+  if config.train.batch_size % n:
+    raise ConfigError(
+      f"train.batch_size: must be divisible by the {n} devices a batch is "
+      f"split over (mesh axes of the rule for 'batch'); got "
+      f"{config.train.batch_size}"
     )
 
 
@@ -228,9 +260,16 @@ def _exclusive(workdir: Path):
 
 def _train(config, workdir: Path, task) -> dict:
   record_run(config, workdir, task)
-  graphdef, state, tx = train_state(config, task)
-  train_step = make_train_step(graphdef, tx, config.model, config.train)
-  evaluator = evaluate.Evaluator(graphdef, config, task)
+  mesh, rules = sharding.make_mesh(config.mesh), config.sharding.rules
+  check_batch(config, mesh)
+  batch_sharding = sharding.batch_sharding(mesh, rules)
+  graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
+  train_step = make_train_step(
+    graphdef, tx, config.model, config.train, mesh, shardings, rules
+  )
+  evaluator = evaluate.Evaluator(
+    graphdef, config, task, mesh=mesh, param_shardings=shardings["params"]
+  )
   train_iter = curriculum.train_iterator(config, task)
 
   phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
@@ -257,7 +296,9 @@ def _train(config, workdir: Path, task) -> dict:
       run = _Run(
         config,
         workdir,
-        train_step,
+        lambda state, batch: train_step(
+          state, sharding.global_batch(batch, batch_sharding)
+        ),
         tx,
         train_iter,
         evaluator,

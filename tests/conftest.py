@@ -53,7 +53,12 @@ def cli(workdir, data_dir, *extra):
   ]
 
 
-CPU_ENV = os.environ | {"JAX_PLATFORMS": "cpu"}  # for loopjax subprocesses
+# loopjax subprocesses (the command line as users run it) see one CPU device,
+# as on a laptop; in-process tests see 8 (every mesh shape the tests use).
+CPU_ENV = os.environ | {
+  "JAX_PLATFORMS": "cpu",
+  "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+}
 
 
 def run(cmd):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from loopjax import recurrence
+from loopjax import recurrence, sharding
 from loopjax.model.layers import Block, Norm, param, zeros
 
 
@@ -85,7 +85,7 @@ class LoopedTransformer(nnx.Module):
   def core_step(self, h_BTD, x_BTD, with_probs: bool = False):
     """One iteration of the shared core, with the input injected first;
     with_probs: also each layer's output and attention weights (`trace`)."""
-    h_BTD = self.inject(h_BTD, x_BTD)
+    h_BTD = sharding.constrain(self.inject(h_BTD, x_BTD), ("batch", None, None))
     if with_probs:
       return _traced(self.core, h_BTD)
     for block in self.core:

@@ -1,0 +1,168 @@
+"""Device meshes, logical-axis rules, and the shardings of the train state.
+
+Every parameter carries logical axis names (`vocab`, `embed`, `heads`, `kv`,
+`mlp`: model/layers.py); activations name `batch`. `config.sharding.rules` maps
+each name to mesh axes (`data`, `fsdp`, `tensor`; config.mesh gives their sizes,
+-1 = the remaining devices): data parallel over `data`, FSDP (parameters and
+optimizer state split over `fsdp`, gathered by XLA where used) and tensor
+parallel attention heads and MLP over `tensor`. A dimension a mesh axis does not
+divide stays whole (replicated over that axis), so one config serves any mesh.
+Shardings are jax's own (`jax.jit` in/out shardings, `NamedSharding`,
+`with_sharding_constraint`); nothing here moves data by hand.
+"""
+
+import contextlib
+import contextvars
+import math
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from loopjax.config import ConfigError
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+_active = contextvars.ContextVar("loopjax_mesh_and_rules", default=None)
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
+  """(data, fsdp, tensor) sizes; one of them may be -1 (the rest)."""
+  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+  named = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True))
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ConfigError(f"mesh: sizes must be >= 1, at most one -1; got {named}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes and num_devices % known == 0:
+    sizes[sizes.index(-1)] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ConfigError(
+      f"mesh: data x fsdp x tensor must equal the {num_devices} devices; got {named}"
+    )
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
+  devices = jax.devices() if devices is None else devices
+  shape = mesh_shape(mesh_cfg, len(devices))
+  return jax.make_mesh(
+    shape,
+    MESH_AXES,
+    axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES),
+    devices=devices,
+  )
+
+
+def spec(logical, rules, shape=None, mesh=None) -> PartitionSpec:
+  """PartitionSpec of an array with these logical axis names. With `shape` and
+  `mesh`, a mesh axis that does not divide its dimension is dropped."""
+  table = dict(rules)
+  out = []
+  for i, name in enumerate(logical):
+    axes = table.get(name) if name is not None else None
+    if axes is not None and shape is not None:
+      size = math.prod(
+        mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))
+      )
+      if shape[i] % size:
+        axes = None
+    out.append(tuple(axes) if isinstance(axes, list) else axes)
+  return PartitionSpec(*out)
+
+
+def param_axes(abstract_model) -> dict:
+  """Logical axis names of every parameter, as a plain dict like the params."""
+  _, params = nnx.split(abstract_model, nnx.Param)
+  return nnx.to_pure_dict(
+    jax.tree.map(
+      lambda v: v.replace(v.get_metadata()["out_sharding"]),
+      params,
+      is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+  )
+
+
+def state_shardings(abstract_state, axes, tx, mesh, rules) -> dict:
+  """NamedShardings of the train state: params by their axes, optimizer moments
+  like their params, every scalar (step, rng, counts, stage) replicated."""
+
+  def named(p):
+    return NamedSharding(mesh, p)
+
+  params = jax.tree.map(
+    lambda a, x: named(spec(a, rules, x.shape, mesh)),
+    axes,
+    abstract_state["params"],
+    is_leaf=lambda a: isinstance(a, tuple),
+  )
+  opt = optax.tree_map_params(
+    tx,
+    lambda _, s: s,
+    abstract_state["opt_state"],
+    params,
+    transform_non_params=lambda _: named(PartitionSpec()),
+  )
+  rest = {
+    k: named(PartitionSpec())
+    for k in abstract_state
+    if k not in ("params", "opt_state")
+  }
+  return {"params": params, "opt_state": opt} | rest
+
+
+def batch_split(mesh, rules) -> int:
+  """How many ways a batch is split: the product of its mesh axes' sizes."""
+  axes = spec(("batch",), rules)[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def batch_sharding(mesh, rules) -> NamedSharding:
+  """Batches: examples split over the `batch` rule's mesh axes."""
+  return NamedSharding(mesh, spec(("batch",), rules))
+
+
+def global_batch(batch: dict, sharding: NamedSharding) -> dict:
+  """One global array per column from this process's rows (its shard)."""
+  return jax.tree.map(
+    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+  )
+
+
+@contextlib.contextmanager
+def active(mesh, rules):
+  """Within (while a step is traced): `constrain` shards by `mesh` and `rules`.
+  Used inside the jitted functions themselves, so a compiled step never
+  depends on where it is called from; mesh None: constrain does nothing."""
+  token = _active.set(None if mesh is None else (mesh, tuple(rules)))
+  try:
+    yield
+  finally:
+    _active.reset(token)
+
+
+def constrain(x, logical):
+  """`x` constrained to the sharding its logical axes get under the active
+  mesh and rules; unchanged when none is active."""
+  if (current := _active.get()) is None:
+    return x
+  mesh, rules = current
+  return jax.lax.with_sharding_constraint(
+    x, NamedSharding(mesh, spec(logical, rules, x.shape, mesh))
+  )
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
+  """Global arrays from a batch every process holds whole (evaluation)."""
+  return jax.tree.map(
+    lambda x: jax.make_array_from_callback(
+      x.shape, sharding, lambda index: np.asarray(x)[index]
+    ),
+    batch,
+  )

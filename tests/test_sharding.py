@@ -1,0 +1,168 @@
+"""Meshes, parameter specs, and sharded training equal to one device (8 CPUs)."""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from loopjax import checkpoint, data, sharding
+from loopjax.config import ConfigError
+from loopjax.data import pipeline
+from loopjax.state import sharded_train_state, train_state
+from loopjax.train import make_train_step
+
+GOLDEN = Path(__file__).parent / "golden"
+MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  from experiments import sysgen
+
+  c = sysgen.get_config("tiny")
+  c.data.data_dir = str(tmp_path_factory.mktemp("data"))
+  return c, data.load(c.data)
+
+
+def _mesh(config, shape, devices=None):
+  config = config.copy_and_resolve_references()
+  config.mesh.update(dict(zip(sharding.MESH_AXES, shape, strict=True)))
+  return sharding.make_mesh(config.mesh, devices), config
+
+
+@pytest.mark.parametrize(
+  "sizes,devices,want",
+  [((-1, 1, 1), 8, (8, 1, 1)), ((2, -1, 2), 8, (2, 2, 2)), ((1, 1, -1), 2, (1, 1, 2))],
+)
+def test_mesh_fills_the_remaining_devices(sizes, devices, want):
+  cfg = dict(zip(sharding.MESH_AXES, sizes, strict=True))
+  assert sharding.mesh_shape(cfg, devices) == want
+
+
+@pytest.mark.parametrize(
+  "sizes,message",
+  [
+    ((3, 1, -1), "mesh: data x fsdp x tensor must equal the 8 devices; got data=3"),
+    ((2, 2, 1), "mesh: data x fsdp x tensor must equal the 8 devices"),
+    ((-1, -1, 1), "mesh: sizes must be >= 1, at most one -1"),
+    ((0, 8, 1), "mesh: sizes must be >= 1"),
+  ],
+)
+def test_bad_mesh_names_the_field(sizes, message):
+  with pytest.raises(ConfigError, match=message):
+    sharding.mesh_shape(dict(zip(sharding.MESH_AXES, sizes, strict=True)), 8)
+
+
+def _batches(config, task, n):
+  it = pipeline.train_iterator(
+    data.train_split(task, config.data.train_hops),
+    config.train.batch_size,
+    0,
+    task.vocab.pad_id,
+  )
+  return [next(it) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def single_device(setup):
+  """Three steps on one device: the reference."""
+  config, task = setup
+  graphdef, state, tx = train_state(config, task)
+  step = make_train_step(graphdef, tx, config.model, config.train)
+  out = []
+  for batch in _batches(config, task, 3):
+    state, m = step(state, batch)
+    out.append(jax.device_get(m))
+  return jax.device_get(state), out
+
+
+@pytest.mark.parametrize("shape", MESHES)
+def test_sharded_steps_match_one_device(setup, single_device, shape):
+  config, task = setup
+  mesh, config = _mesh(config, shape)
+  graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
+  wqkv = state["params"]["core"][0]["attn"]["wqkv"]
+  assert wqkv.sharding.spec == jax.sharding.PartitionSpec("fsdp", None, "tensor", None)
+  step = make_train_step(
+    graphdef, tx, config.model, config.train, mesh, shardings, config.sharding.rules
+  )
+  put = sharding.batch_sharding(mesh, config.sharding.rules)
+  for batch, want in zip(_batches(config, task, 3), single_device[1], strict=True):
+    state, m = step(state, sharding.global_batch(batch, put))
+    for k, v in want.items():
+      np.testing.assert_allclose(m[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
+  assert state["params"]["embed"].sharding == shardings["params"]["embed"]
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+    jax.device_get(state["params"]),
+    single_device[0]["params"],
+  )
+
+
+def _specs(config, task, shape) -> dict:
+  mesh, config = _mesh(config, shape)
+  config.model.update(num_prelude=1, num_coda=1, injection="concat")  # every kind
+  shardings = sharded_train_state(config, task, mesh, abstract=True)[3]
+  flat = jax.tree_util.tree_flatten_with_path(shardings)[0]
+  return {
+    jax.tree_util.keystr(path): [list(a) if isinstance(a, tuple) else a for a in s.spec]
+    for path, s in flat
+  }
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 4, 2)])
+def test_state_specs_match_golden_files(setup, shape):
+  """Specs of every state leaf. After an intended change of the rules or the
+  model, regenerate with LOOPJAX_UPDATE_GOLDEN=1 pytest tests/test_sharding.py
+  and review the diff of tests/golden/."""
+  config, task = setup
+  got = _specs(config, task, shape)
+  path = GOLDEN / f"specs_{'x'.join(map(str, shape))}.json"
+  if os.environ.get("LOOPJAX_UPDATE_GOLDEN"):
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+  want = json.loads(path.read_text())
+  changed = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+  assert not changed, (
+    f"{len(changed)} state specs differ from {path.name}, e.g. {changed[0]}: "
+    f"{want.get(changed[0])} -> {got.get(changed[0])}. If intended, rerun with "
+    "LOOPJAX_UPDATE_GOLDEN=1 and commit tests/golden/"
+  )
+  # Optimizer scalars and the step are replicated, moments follow their params.
+  assert got["['step']"] == [] and got["['rng']"] == []
+  counts = [k for k in got if k.endswith(".count")]
+  assert counts and all(got[k] == [] for k in counts)
+
+
+def test_checkpoint_restores_on_another_mesh(setup, tmp_path):
+  """Saved from 8 devices as 4 x 2 (data x fsdp), restored on 2 devices and 1."""
+  config, task = setup
+  mesh, config = _mesh(config, (4, 2, 1))
+  _, state, _, _ = sharded_train_state(config, task, mesh)
+  mngr = checkpoint.manager(tmp_path, config.checkpoint)
+  it = pipeline.train_iterator(
+    data.train_split(task, config.data.train_hops),
+    config.train.batch_size,
+    0,
+    task.vocab.pad_id,
+  )
+  checkpoint.save(mngr, 1, state, it)
+  checkpoint.wait(mngr)
+  want = jax.device_get(state)
+  for shape, devices in (
+    ((1, 2, 1), jax.devices()[:2]),
+    ((1, 1, 1), jax.devices()[:1]),
+  ):
+    small, cfg = _mesh(config, shape, devices)
+    _, target, _, _ = sharded_train_state(cfg, task, small, abstract=True)
+    got, step = checkpoint.restore(mngr, target, it, step=1)
+    assert step == 1
+    embed = got["params"]["embed"]
+    assert embed.sharding.mesh.devices.size == len(devices)
+    jax.tree.map(
+      np.testing.assert_array_equal, jax.device_get(got["params"]), want["params"]
+    )
+  mngr.close()
