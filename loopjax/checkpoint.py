@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from loopjax.config import ConfigError, first_line
 
@@ -217,6 +218,8 @@ def _quarantine(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
   if jax.process_index() == 0:
     dst.parent.mkdir(exist_ok=True)
     shutil.move(src, dst)
+  if jax.process_count() > 1:  # no process reads the directory while it moves
+    multihost_utils.sync_global_devices(f"quarantine {step}")
   mngr.reload()
   print(f"checkpoint {step} is damaged ({why}); moved it to {dst}")
 

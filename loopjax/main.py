@@ -28,6 +28,17 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
   "step", None, "--mode=eval/analyze: checkpoint step (default: newest)."
 )
+flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "Multi-process runs: host:port of process 0 (default: detected on TPU pods "
+  "and SLURM; none: one process).",
+)
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many.")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's index.")
+flags.DEFINE_integer(
+  "heartbeat_timeout", 60, "Seconds before a silent peer ends the whole run."
+)
 
 
 def _parse(argv):
@@ -77,7 +88,14 @@ def main(argv):
     config_lib.validate(config)
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
-  from loopjax import analyze, evaluate, train  # after validation: nothing compiles
+  from loopjax import analyze, evaluate, sharding, train  # after validation
+
+  sharding.initialize(
+    FLAGS.coordinator_address,
+    FLAGS.num_processes,
+    FLAGS.process_id,
+    FLAGS.heartbeat_timeout,
+  )
 
   try:
     if FLAGS.mode == "train":

@@ -14,6 +14,7 @@ Shardings are jax's own (`jax.jit` in/out shardings, `NamedSharding`,
 import contextlib
 import contextvars
 import math
+import os
 
 import jax
 import numpy as np
@@ -26,6 +27,40 @@ from loopjax.config import ConfigError
 MESH_AXES = ("data", "fsdp", "tensor")
 
 _active = contextvars.ContextVar("loopjax_mesh_and_rules", default=None)
+
+
+def initialize(
+  coordinator: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+  heartbeat_s: int = 60,
+) -> None:
+  """Joins a multi-process run (`jax.distributed`), or does nothing alone.
+
+  An explicit coordinator ("host:port", with the process count and this
+  process's id) is used as given; otherwise JAX's own cluster detection runs
+  where a cluster is visible (TPU pod VMs, SLURM jobs with several tasks). A
+  peer that stops answering for `heartbeat_s` seconds ends every process with
+  the coordination service's error, instead of a hang.
+  """
+  if coordinator is None and not _in_cluster():
+    return
+  # CPU processes reach each other's devices through gloo (tests, laptops);
+  # accelerators' collectives do not read this.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+    coordinator_address=coordinator,
+    num_processes=num_processes,
+    process_id=process_id,
+    heartbeat_timeout_seconds=heartbeat_s,
+  )
+
+
+def _in_cluster() -> bool:
+  """A multi-task SLURM job or a TPU pod slice with several workers."""
+  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    return True
+  return len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from loopjax import (
@@ -210,21 +211,34 @@ class RunStopped(RuntimeError):
 
 
 class _Preemption:
-  """While active, SIGTERM/SIGINT set a flag the loop checks after each step."""
+  """While active, SIGTERM/SIGINT set a flag the loop checks after each step.
+
+  With several processes, all must stop after the same step (a save is
+  collective): JAX's preemption service hears SIGTERM and
+  `reached_preemption_sync_point` tells every process the same step, so the
+  handlers stay JAX's.
+  """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __enter__(self):
-    self.signal = None
-    self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
+    self.signal, self._old = None, None
+    if jax.process_count() == 1:
+      self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
     return self
 
   def __exit__(self, *exc):
-    for s, old in zip(self.SIGNALS, self._old, strict=True):
-      signal.signal(s, old)
+    if self._old is not None:
+      for s, old in zip(self.SIGNALS, self._old, strict=True):
+        signal.signal(s, old)
 
   def _handle(self, signum, frame):
     self.signal = signal.Signals(signum).name
+
+  def requested(self, step: int) -> bool:
+    if self._old is None and multihost_utils.reached_preemption_sync_point(step):
+      self.signal = "SIGTERM (all processes)"
+    return self.signal is not None
 
 
 def train_and_evaluate(config, workdir) -> dict:
@@ -372,7 +386,7 @@ def _loop(run: _Run, state, start: int):
   ) as bar:
     last, pending, step, saved = {}, None, start, start
     t_log, step_log = time.perf_counter(), start
-    while step < num_steps and preempt.signal is None:
+    while step < num_steps and not preempt.requested(step):
       state, step_metrics = run.train_step(state, next(train_iter))
       step += 1
       if pending is not None:  # step - 1's numbers: ready by now, no stall

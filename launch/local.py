@@ -1,0 +1,101 @@
+"""Runs one loopjax command as N processes on this machine: a multi-host run
+on localhost (the tests use it; so can a workstation with several GPUs).
+
+  python launch/local.py --num_processes=2 [--devices_per_process=1] -- \\
+      python -m loopjax.main --config=experiments/sysgen.py:tiny --workdir=runs/mp
+
+Process i gets `--coordinator_address=localhost:PORT --num_processes=N
+--process_id=i` appended (process 0 hosts the coordinator) and, with
+--cpu (default), JAX_PLATFORMS=cpu and `devices_per_process` CPU devices. Every
+output line is prefixed with `[i]`. When a process fails, the others get
+SIGTERM after --grace seconds (they would also stop by themselves once the
+coordinator misses the dead one's heartbeat); the exit code is the first
+failure's. --dry-run prints the commands.
+"""
+
+import argparse
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def commands(cmd: list[str], n: int, port: int) -> list[list[str]]:
+  return [
+    [
+      *cmd,
+      f"--coordinator_address=localhost:{port}",
+      f"--num_processes={n}",
+      f"--process_id={i}",
+    ]
+    for i in range(n)
+  ]
+
+
+def _relay(i: int, stream) -> None:
+  for line in iter(stream.readline, ""):
+    sys.stdout.write(f"[{i}] {line}")
+    sys.stdout.flush()
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--num_processes", type=int, default=2)
+  p.add_argument("--devices_per_process", type=int, default=1)
+  p.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True)
+  p.add_argument("--grace", type=float, default=10.0)
+  p.add_argument("--dry-run", action="store_true")
+  p.add_argument("cmd", nargs=argparse.REMAINDER)
+  args = p.parse_args(argv)
+  cmd = [a for a in args.cmd if a != "--"] if args.cmd[:1] == ["--"] else args.cmd
+  if not cmd:
+    p.error("the command to run goes after --")
+  env = os.environ.copy()
+  if args.cpu:
+    env |= {
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
+    }
+  cmds = commands(cmd, args.num_processes, free_port())
+  if args.dry_run:
+    for c in cmds:
+      print(shlex.join(c))
+    return 0
+  procs = [
+    subprocess.Popen(
+      c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    for c in cmds
+  ]
+  relays = [
+    threading.Thread(target=_relay, args=(i, pr.stdout), daemon=True)
+    for i, pr in enumerate(procs)
+  ]
+  for t in relays:
+    t.start()
+  failed_at = None
+  while any(pr.poll() is None for pr in procs):
+    if failed_at is None and any(pr.poll() for pr in procs):
+      failed_at = time.monotonic()
+    if failed_at is not None and time.monotonic() - failed_at > args.grace:
+      for pr in procs:
+        if pr.poll() is None:
+          pr.terminate()
+    time.sleep(0.2)
+  for t in relays:
+    t.join()
+  codes = [pr.returncode for pr in procs]
+  return next((c for c in codes if c), 0)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,57 @@
+"""Two loopjax processes on localhost, joined by jax.distributed (gloo on CPU)."""
+
+import json
+import subprocess
+import sys
+
+from conftest import CPU_ENV, steps_on_disk
+
+from launch import local
+
+
+def test_dry_run_gives_each_process_its_id(capsys):
+  assert local.main(["--num_processes=3", "--dry-run", "--", "prog", "--x=1"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert len(lines) == 3
+  port = lines[0].split("localhost:")[1].split()[0]
+  for i, line in enumerate(lines):
+    assert line.startswith("prog --x=1 --coordinator_address=localhost:")
+    assert line.endswith(f"localhost:{port} --num_processes=3 --process_id={i}")
+
+
+def _launch(workdir, data_dir, steps):
+  cmd = [
+    sys.executable,
+    "launch/local.py",
+    "--num_processes=2",
+    "--devices_per_process=2",
+    "--",
+    sys.executable,
+    "-m",
+    "loopjax.main",
+    "--config=experiments/sysgen.py:tiny",
+    f"--workdir={workdir}",
+    f"--config.data.data_dir={data_dir}",
+    f"--config.train.num_steps={steps}",
+    "--heartbeat_timeout=20",
+  ]
+  return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+
+
+def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
+  """4 devices in 2 processes (data parallel 4 ways): a run to step 20 and its
+  resumption to 40; process 0 alone writes the logs."""
+  workdir, data_dir = tmp_path / "run", tmp_path / "data"
+  first = _launch(workdir, data_dir, 20)
+  assert first.returncode == 0, first.stdout[-3000:]
+  assert steps_on_disk(workdir) == [20]
+  second = _launch(workdir, data_dir, 40)
+  assert second.returncode == 0, second.stdout[-3000:]
+  for i in (0, 1):
+    assert f"[{i}] resumed from" in second.stdout
+  assert steps_on_disk(workdir) == [20, 40]
+  records = [
+    json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
+  logged = [r["step"] for r in records if "train/loss" in r]
+  assert logged == sorted(set(logged)) and logged[-1] == 40  # one writer
