@@ -5,6 +5,8 @@
 """
 
 import json
+import os
+import sys
 from pathlib import Path
 
 from absl import app, flags, logging
@@ -88,7 +90,9 @@ def main(argv):
     config_lib.validate(config)
   except config_lib.ConfigError as e:
     config_lib.exit_with(str(e))
-  from loopjax import analyze, evaluate, sharding, train  # after validation
+  import jax  # after validation: a bad config fails fast
+
+  from loopjax import analyze, evaluate, sharding, train
 
   sharding.initialize(
     FLAGS.coordinator_address,
@@ -115,6 +119,20 @@ def main(argv):
     config_lib.exit_with(str(e))
   except train.RunStopped as e:
     config_lib.exit_with(str(e), code=1)
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    # A peer died mid-collective (or its device failed). Leave now: JAX's exit
+    # barrier would wait out the heartbeat timeout and then abort.
+    print(
+      f"error: process {jax.process_index()}: a cross-process operation failed "
+      f"({config_lib.first_line(e)}); a peer process has probably died. Saved "
+      "checkpoints are intact: rerun the same command on all hosts to resume",
+      file=sys.stderr,
+      flush=True,
+    )
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":

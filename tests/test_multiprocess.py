@@ -3,7 +3,9 @@
 import json
 import subprocess
 import sys
+import time
 
+import pytest
 from conftest import CPU_ENV, steps_on_disk
 
 from launch import local
@@ -55,3 +57,39 @@ def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   ]
   logged = [r["step"] for r in records if "train/loss" in r]
   assert logged == sorted(set(logged)) and logged[-1] == 40  # one writer
+
+
+@pytest.mark.slow
+def test_a_dead_peer_ends_the_others_with_a_clear_error(tmp_path):
+  """Process 1 is killed mid-training; process 0 exits (code 1) in bounded time
+  with one line saying so, instead of hanging in its next collective."""
+  cmd = [
+    sys.executable,
+    "-m",
+    "loopjax.main",
+    "--config=experiments/sysgen.py:tiny",
+    f"--workdir={tmp_path / 'run'}",
+    f"--config.data.data_dir={tmp_path / 'data'}",
+    "--config.train.num_steps=1000000",
+    "--heartbeat_timeout=10",
+  ]
+  logs = [tmp_path / f"{i}.log" for i in range(2)]
+  procs = [
+    subprocess.Popen(c, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=CPU_ENV)
+    for c, log in zip(local.commands(cmd, 2, local.free_port()), logs, strict=True)
+  ]
+  try:
+    deadline = time.monotonic() + 240
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while not (metrics.exists() and "train/loss" in metrics.read_text()):
+      assert time.monotonic() < deadline and procs[0].poll() is None
+      time.sleep(1)
+    procs[1].kill()
+    killed = time.monotonic()
+    assert procs[0].wait(timeout=60) == 1
+    assert time.monotonic() - killed < 30
+  finally:
+    for p in procs:
+      p.kill()
+  (line,) = [x for x in logs[0].read_text().splitlines() if x.startswith("error:")]
+  assert "a peer process has probably died" in line and "rerun" in line
