@@ -43,16 +43,19 @@ def get_config(variant: str = "composition"):
 
 def sweep(name: str = "factors"):
   """One change at a time from the default model (`default`). `factors`: from
-  composition's (no injection); `chains`: from the chains variant's (`add`)."""
+  composition's (no injection; the random initial state is compared with
+  injection add); `chains`: from the chains variant's (`add`)."""
   others = [
     {"model.norm_position": "sandwich"},
     {"model.num_layers": 2, "model.num_loops": 2},
     {"model.num_layers": 4, "model.num_loops": 1},
-    {"model.init_state": "random"},
   ]
+  injected = {"model.injection": "add"}  # a random start needs the input injected
   sweeps = {
-    "factors": [{}, *({"model.injection": x} for x in ("add", "concat")), *others],
-    "chains": [{}, *({"model.injection": x} for x in ("none", "concat")), *others],
+    "factors": [{}, injected, {"model.injection": "concat"}, *others]
+    + [{"model.init_state": "random"} | injected],
+    "chains": [{}, *({"model.injection": x} for x in ("none", "concat")), *others]
+    + [{"model.init_state": "random"}],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

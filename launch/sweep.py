@@ -2,6 +2,8 @@
 
   python launch/sweep.py --config=experiments/sysgen.py[:variant] --root=runs/sweep \
       [--sweep=NAME] [--parallel=2] [--analyze] [--dry-run] [-- extra main flags]
+  python launch/sweep.py ... --target=slurm --launcher_args='--nodes=2 --per=node'
+  python launch/sweep.py ... --target=tpu --launcher_args='--name=NAME --zone=ZONE'
 
 `sweep(name)` in the experiment file returns a list of {field: value} overrides
 (`--sweep` picks which of the file's sweeps; default its first); run k of it
@@ -10,7 +12,11 @@ once, each pinned to its own core; when one ends, the next run takes its core
 (on 2 cores two pinned runs finish a sweep ~1.36x sooner than one run after
 another: docs/performance.md). With --analyze each run is `--mode=analyze`d
 once it has trained (same flags, same core). A rerun resumes or skips
-finished runs, since each run resumes from its own workdir.
+finished runs, since each run resumes from its own workdir. `--target=slurm`
+submits one job per point (launch/slurm.py, job name = run name);
+`--target=tpu` runs the points one after another on a TPU slice
+(launch/tpu.py; the checkout is installed once). `--launcher_args` holds that
+launcher's flags.
 """
 
 import argparse
@@ -21,6 +27,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import slurm, tpu  # noqa: E402
 
 
 def load_sweep(config_arg: str, name: str | None = None) -> list[dict]:
@@ -80,10 +89,14 @@ def main(argv=None) -> int:
   p.add_argument("--sweep", default=None, help="which sweep of the file")
   p.add_argument("--parallel", type=int, default=1)
   p.add_argument("--analyze", action="store_true", help="then --mode=analyze")
+  p.add_argument("--target", choices=("local", "slurm", "tpu"), default="local")
+  p.add_argument("--launcher_args", default="", help="slurm.py / tpu.py flags")
   p.add_argument("--dry-run", action="store_true")
   args, extra = p.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
   runs = commands(args.config, args.root, extra, args.sweep, args.analyze)
+  if args.target != "local":
+    return remote(args, runs)
   if args.dry_run:
     for _, cmds in runs:
       print(" && ".join(map(shlex.join, cmds)))
@@ -115,6 +128,27 @@ def main(argv=None) -> int:
     + (f"; failed: {', '.join(failed)} (see their .log)" if failed else "")
   )
   return 1 if failed else 0
+
+
+def remote(args, runs) -> int:
+  """Each point's training command through the SLURM or TPU launcher."""
+  if args.analyze:
+    sys.exit("error: --analyze: with --target=local only (analyze afterwards)")
+  launcher = slurm if args.target == "slurm" else tpu
+  largs = launcher.parser().parse_args(
+    shlex.split(args.launcher_args) + (["--dry-run"] if args.dry_run else [])
+  )
+  for i, (name, cmds) in enumerate(runs):
+    main_args = cmds[0][3:]  # after python -m loopjax.main
+    if launcher is slurm:
+      largs.job_name = name
+      rc = slurm.submit(largs, main_args)
+    else:
+      largs.skip_install = largs.skip_install or i > 0
+      rc = tpu.launch(largs, main_args)
+    if rc:
+      return rc
+  return 0
 
 
 def _pinned(cmd: list, core: int) -> list:

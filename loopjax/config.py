@@ -326,6 +326,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     "analyze.halting.r_min",
     "analyze.halting.r_max",
   )
+  _validate_mesh(c)
   if a.max_depth < 2 and any(n in MECHANISTIC for n in a.names):
     raise ConfigError(
       f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)} (they "
@@ -340,6 +341,27 @@ def validate(c: ml_collections.ConfigDict) -> None:
     )
   if any(int(r) < 1 for r in c.eval.depths):
     raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
+
+
+def _validate_mesh(c) -> None:
+  """What can be checked without devices (their count is checked at start)."""
+  named = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
+  sizes = list(named.values())
+  if sizes.count(-1) > 1 or any(
+    not isinstance(s, int) or s == 0 or s < -1 for s in sizes
+  ):
+    raise ConfigError(
+      "mesh: data, fsdp and tensor must be >= 1, at most one -1 (the remaining "
+      f"devices); got {', '.join(f'{a}={s}' for a, s in named.items())}"
+    )
+  for rule in c.sharding.rules:
+    axes = rule[1] if len(rule) == 2 else "?"
+    named = [] if axes is None else [axes] if isinstance(axes, str) else list(axes)
+    if len(rule) != 2 or any(x not in ("data", "fsdp", "tensor") for x in named):
+      raise ConfigError(
+        "sharding.rules: each must be (logical name, mesh axis or axes or None) "
+        f"with mesh axes data, fsdp, tensor; got {tuple(rule)!r}"
+      )
 
 
 def _validate_chains(c) -> None:

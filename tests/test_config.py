@@ -47,6 +47,9 @@ BAD_CHAINS = [
   ("analyze.max_depth", 0, "analyze.max_depth: must be >= 1"),
   ("analyze.max_depth", 1, "analyze.max_depth: must be >= 2 for logit_lens"),
   ("analyze.tol", 0.0, "analyze.tol: must be > 0"),
+  ("mesh.fsdp", -1, "mesh: data, fsdp and tensor must be >= 1, at most one -1"),
+  ("mesh.tensor", 0, "mesh: data, fsdp and tensor must be >= 1"),
+  ("sharding.rules", (("embed", "model"),), "sharding.rules: each must be"),
   ("model.num_heads", 64, "model.num_heads: rope needs an even head dimension"),
 ]
 

@@ -1,0 +1,79 @@
+"""Submits a loopjax run to SLURM from launch/slurm.sbatch.
+
+  python launch/slurm.py --nodes=2 --gpus_per_node=8 [--per=gpu|node] \\
+      [--time=24:00:00] [--setup='source .venv/bin/activate'] [--dry-run] -- \\
+      --config=experiments/sysgen.py:paper --workdir=/shared/runs/paper
+
+`--per=gpu` (default) runs one process per GPU (nodes x gpus_per_node
+processes, one GPU each); `--per=node` one process per node seeing all its
+GPUs. The arguments after `--` go to `python -m loopjax.main`. The script is
+written to `<log_dir>/<job_name>.sbatch` and submitted with `sbatch`;
+--dry-run prints it and the sbatch command instead.
+"""
+
+import argparse
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+TEMPLATE = Path(__file__).with_name("slurm.sbatch")
+REPO = Path(__file__).resolve().parents[1]
+
+
+def render(args, main_args: list[str]) -> str:
+  per_gpu = args.per == "gpu"
+  return TEMPLATE.read_text().format(
+    job_name=args.job_name,
+    nodes=args.nodes,
+    tasks_per_node=args.gpus_per_node if per_gpu else 1,
+    gpus_per_node=args.gpus_per_node,
+    gpus_per_task=1 if per_gpu else args.gpus_per_node,
+    cpus_per_task=args.cpus_per_task,
+    time=args.time,
+    log_dir=args.log_dir,
+    extra_sbatch="\n".join(f"#SBATCH {x}" for x in args.sbatch),
+    repo=shlex.quote(str(REPO)),
+    setup=args.setup,
+    args=shlex.join(main_args),
+  )
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--nodes", type=int, default=1)
+  p.add_argument("--gpus_per_node", type=int, default=8)
+  p.add_argument("--per", choices=("gpu", "node"), default="gpu")
+  p.add_argument("--cpus_per_task", type=int, default=8)
+  p.add_argument("--time", default="24:00:00")
+  p.add_argument("--job_name", default="loopjax")
+  p.add_argument("--log_dir", default="slurm_logs")
+  p.add_argument("--setup", default="source .venv/bin/activate")
+  p.add_argument("--sbatch", action="append", default=[], help="extra #SBATCH line")
+  p.add_argument("--dry-run", action="store_true")
+  return p
+
+
+def submit(args, main_args: list[str]) -> int:
+  script = render(args, main_args)
+  path = Path(args.log_dir) / f"{args.job_name}.sbatch"
+  cmd = ["sbatch", str(path)]
+  if args.dry_run:
+    print(f"# {path}\n{script}\n{shlex.join(cmd)}")
+    return 0
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(script)
+  return subprocess.run(cmd).returncode
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  cut = argv.index("--") if "--" in argv else len(argv)
+  args = parser().parse_args(argv[:cut])
+  if not argv[cut + 1 :]:
+    parser().error("loopjax.main's arguments go after --")
+  return submit(args, argv[cut + 1 :])
+
+
+if __name__ == "__main__":
+  sys.exit(main())

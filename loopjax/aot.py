@@ -1,0 +1,102 @@
+"""Ahead-of-time check of a config on a target mesh, on this machine's CPU.
+
+  python -m loopjax.aot --config=experiments/sysgen.py:paper --devices=64 \\
+      --config.mesh.data=8 --config.mesh.fsdp=4 --config.mesh.tensor=2
+
+Forces `--devices` CPU devices, builds the mesh from the config, and lowers and
+compiles the train step for it from abstract shapes (nothing is initialized,
+no data are generated: the vocabulary and sequence length come from the
+config). Mesh, rule and shape errors show here instead of on pod time; the
+report gives each device's memory for the step (arguments = its shard of the
+state and batch, temporaries, outputs; XLA:CPU's accounting, a guide for an
+accelerator's) and the specs of the largest parameters.
+"""
+
+import os
+import sys
+import types
+
+from absl import app, flags
+from ml_collections import config_flags
+
+config_flags.DEFINE_config_file("config", None, "Experiment config file[:variant].")
+flags.DEFINE_integer("devices", 8, "CPU devices to force (the target mesh's size).")
+FLAGS = flags.FLAGS
+
+
+def _gib(n: int) -> str:
+  return f"{n / 2**30:.3f} GiB"
+
+
+def check(config, num_devices: int) -> dict:
+  """Lowers and compiles the train step; returns the memory report."""
+  import jax
+  import numpy as np
+
+  from loopjax import sharding, state, train
+  from loopjax.data import kg
+
+  d = config.data
+  hops = d.max_hops if d.task == "chains" else 2
+  task = types.SimpleNamespace(
+    vocab=kg.Vocab(d.num_entities, d.num_relations), max_hops=hops
+  )
+  max_len = hops + 1
+  mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
+  train.check_batch(config, mesh)
+  graphdef, abstract, tx, shardings = state.sharded_train_state(
+    config, task, mesh, abstract=True
+  )
+  step = train.make_train_step(
+    graphdef, tx, config.model, config.train, mesh, shardings, config.sharding.rules
+  )
+  B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
+  batch = {
+    "inputs": jax.ShapeDtypeStruct((B, max_len), np.int32, sharding=put),
+    "target": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
+    "answer_pos": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
+  }
+  compiled = step.lower(abstract, batch).compile()
+  mem = compiled.memory_analysis()
+  params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
+  largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
+  return {
+    "mesh": dict(mesh.shape),
+    "arguments": mem.argument_size_in_bytes,
+    "temporaries": mem.temp_size_in_bytes,
+    "outputs": mem.output_size_in_bytes,
+    "largest": [
+      (jax.tree_util.keystr(path), x.shape, tuple(x.sharding.spec))
+      for path, x in largest
+    ],
+  }
+
+
+def main(argv):
+  del argv
+  from loopjax import config as config_lib
+
+  config = FLAGS.config
+  try:
+    config_lib.validate(config)
+    report = check(config, FLAGS.devices)
+  except config_lib.ConfigError as e:
+    config_lib.exit_with(str(e))
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  print(f"compiled the train step for mesh {mesh} ({FLAGS.devices} CPU devices)")
+  print("memory per device (XLA:CPU):")
+  for k in ("arguments", "temporaries", "outputs"):
+    print(f"  {k:<12} {_gib(report[k])}")
+  print("largest parameters: shape -> spec")
+  for name, shape, spec in report["largest"]:
+    print(f"  {name:<36} {shape} -> {spec}")
+
+
+if __name__ == "__main__":
+  # Devices are fixed when JAX starts: set them before anything imports it.
+  n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "8")
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
+  )
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  app.run(main)

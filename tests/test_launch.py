@@ -1,0 +1,124 @@
+"""Launchers' dry runs (SLURM, TPU pods, sweeps to either) and the AOT check."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import CPU_ENV
+
+from launch import slurm, sweep, tpu
+
+MAIN_ARGS = ["--config=experiments/sysgen.py:paper", "--workdir=/shared/run"]
+
+
+@pytest.mark.parametrize("per,tasks,gpus_per_task", [("gpu", 8, 1), ("node", 1, 8)])
+def test_slurm_script_per_gpu_or_per_node(capsys, per, tasks, gpus_per_task):
+  argv = ["--nodes=2", "--gpus_per_node=8", f"--per={per}", "--dry-run", "--"]
+  assert slurm.main([*argv, *MAIN_ARGS]) == 0
+  out = capsys.readouterr().out
+  assert "#SBATCH --nodes=2" in out
+  assert f"#SBATCH --ntasks-per-node={tasks}" in out
+  assert f"#SBATCH --gpus-per-task={gpus_per_task}" in out
+  assert (
+    "srun --kill-on-bad-exit=1 python -m loopjax.main " + " ".join(MAIN_ARGS) in out
+  )
+  assert out.rstrip().endswith("sbatch slurm_logs/loopjax.sbatch")
+  assert not re.search(r"\{[a-z_]+\}", out)  # every field filled
+
+
+def test_slurm_writes_and_submits(tmp_path, monkeypatch):
+  ran = []
+  monkeypatch.setattr(
+    slurm.subprocess,
+    "run",
+    lambda cmd: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0),
+  )
+  assert slurm.main([f"--log_dir={tmp_path}", "--", *MAIN_ARGS]) == 0
+  script = tmp_path / "loopjax.sbatch"
+  assert ran == [["sbatch", str(script)]] and "srun" in script.read_text()
+
+
+def test_tpu_dry_run_prints_every_command(capsys):
+  argv = ["--name=lj", "--zone=us-west4-a", "--dry-run", "--", *MAIN_ARGS]
+  assert tpu.main(argv) == 0
+  lines = capsys.readouterr().out.splitlines()
+  verbs = [
+    line.split()[4] if line.startswith("gcloud") else line.split()[0]
+    for line in lines
+    if not line.startswith("#")
+  ]
+  assert verbs == ["describe", "create", "git", "scp", "ssh", "ssh"]
+  assert all("--zone=us-west4-a" in x for x in lines if x.startswith("gcloud"))
+  assert lines[-1].endswith(
+    "--worker=all '--command=cd loopjax && python3 -m loopjax.main "
+    + " ".join(MAIN_ARGS)
+    + "'"
+  )
+
+
+@pytest.mark.parametrize("exists", [True, False])
+def test_tpu_creates_the_slice_only_when_missing(monkeypatch, exists):
+  ran = []
+
+  def fake_run(cmd, **kw):
+    ran.append(cmd[4] if cmd[0] == "gcloud" else cmd[0])
+    rc = 0 if cmd[4:5] != ["describe"] or exists else 1
+    return subprocess.CompletedProcess(cmd, rc)
+
+  monkeypatch.setattr(tpu.subprocess, "run", fake_run)
+  assert tpu.main(["--name=lj", "--zone=z", "--", *MAIN_ARGS]) == 0
+  want = ["describe", "git", "scp", "ssh", "ssh"]
+  assert ran == (want if exists else want[:1] + ["create"] + want[1:])
+
+
+def test_sweep_submits_one_slurm_job_per_point(tmp_path, capsys):
+  argv = [
+    "--config=experiments/sysgen.py",
+    f"--root={tmp_path}",
+    "--target=slurm",
+    "--launcher_args=--nodes=2",
+    "--dry-run",
+  ]
+  assert sweep.main(argv) == 0
+  out = capsys.readouterr().out
+  for r in (1, 2, 4):
+    assert f"#SBATCH --job-name=num_loops={r}" in out
+    assert f"--workdir={tmp_path}/num_loops={r} --config.model.num_loops={r}" in out
+
+
+def test_sweep_on_tpu_installs_once(tmp_path, capsys):
+  argv = ["--config=experiments/sysgen.py", f"--root={tmp_path}", "--target=tpu"]
+  argv += ["--launcher_args=--name=lj --zone=z", "--dry-run"]
+  assert sweep.main(argv) == 0
+  out = capsys.readouterr().out
+  assert out.count("tar xf") == 1 and out.count("loopjax.main") == 3
+
+
+def _aot(*flags):
+  cmd = [
+    sys.executable,
+    "-m",
+    "loopjax.aot",
+    "--config=experiments/sysgen.py:tiny",
+    *flags,
+  ]
+  return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+
+
+def test_aot_compiles_for_a_target_mesh_and_reports_memory():
+  out = _aot("--devices=8", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "mesh data 2 x fsdp 2 x tensor 2 (8 CPU devices)" in out.stdout
+  for k in ("arguments", "temporaries", "outputs"):
+    assert re.search(rf"{k} +\d+\.\d+ GiB", out.stdout), out.stdout
+  assert "['core'][0]['mlp']['w1']" in out.stdout and "('fsdp', 'tensor')" in out.stdout
+
+
+def test_aot_names_a_mesh_that_does_not_fit():
+  out = _aot("--devices=8", "--config.mesh.data=3")
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+    "error: mesh: data x fsdp x tensor must equal the 8 devices; got data=3, "
+    "fsdp=1, tensor=1"
+  ]
