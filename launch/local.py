@@ -8,9 +8,10 @@ Process i gets `--coordinator_address=localhost:PORT --num_processes=N
 --process_id=i` appended (process 0 hosts the coordinator) and, with
 --cpu (default), JAX_PLATFORMS=cpu and `devices_per_process` CPU devices. Every
 output line is prefixed with `[i]`. When a process fails, the others get
-SIGTERM after --grace seconds (they would also stop by themselves once the
-coordinator misses the dead one's heartbeat); the exit code is the first
-failure's. --dry-run prints the commands.
+SIGTERM after --grace seconds and SIGKILL after twice that (they also stop by
+themselves once a collective with the dead one fails or its heartbeat is
+missed); the exit code is the first failure's. With --no-cpu, process i sees
+GPUs i*k .. i*k+k-1 (k = devices_per_process). --dry-run prints the commands.
 """
 
 import argparse
@@ -56,15 +57,21 @@ def main(argv=None) -> int:
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
-  cmd = [a for a in args.cmd if a != "--"] if args.cmd[:1] == ["--"] else args.cmd
+  cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
   if not cmd:
     p.error("the command to run goes after --")
-  env = os.environ.copy()
+  k = args.devices_per_process
   if args.cpu:
-    env |= {
+    env = os.environ | {
       "JAX_PLATFORMS": "cpu",
-      "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_process}",
+      "XLA_FLAGS": f"--xla_force_host_platform_device_count={k}",
     }
+    envs = [env] * args.num_processes
+  else:  # process i uses GPUs i*k .. i*k+k-1, not all of them
+    envs = [
+      os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(i * k, i * k + k)))}
+      for i in range(args.num_processes)
+    ]
   cmds = commands(cmd, args.num_processes, free_port())
   if args.dry_run:
     for c in cmds:
@@ -72,9 +79,9 @@ def main(argv=None) -> int:
     return 0
   procs = [
     subprocess.Popen(
-      c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+      c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e
     )
-    for c in cmds
+    for c, e in zip(cmds, envs, strict=True)
   ]
   relays = [
     threading.Thread(target=_relay, args=(i, pr.stdout), daemon=True)
@@ -86,10 +93,10 @@ def main(argv=None) -> int:
   while any(pr.poll() is None for pr in procs):
     if failed_at is None and any(pr.poll() for pr in procs):
       failed_at = time.monotonic()
-    if failed_at is not None and time.monotonic() - failed_at > args.grace:
-      for pr in procs:
-        if pr.poll() is None:
-          pr.terminate()
+    waited = 0 if failed_at is None else time.monotonic() - failed_at
+    for pr in procs if waited > args.grace else ():
+      if pr.poll() is None:  # SIGTERM is a preemption to JAX; then SIGKILL
+        pr.terminate() if waited < 2 * args.grace else pr.kill()
     time.sleep(0.2)
   for t in relays:
     t.join()

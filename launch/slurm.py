@@ -36,6 +36,7 @@ def render(args, main_args: list[str]) -> str:
     repo=shlex.quote(str(REPO)),
     setup=args.setup,
     args=shlex.join(main_args),
+    local_device_ids=",".join(map(str, range(1 if per_gpu else args.gpus_per_node))),
   )
 
 
@@ -54,7 +55,19 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
+def absolute_workdir(main_args: list[str]) -> None:
+  """Remote runs need a --workdir every host sees the same: an absolute path
+  (a relative one would land in, and be deleted with, the installed checkout)."""
+  workdir = [a.split("=", 1)[1] for a in main_args if a.startswith("--workdir=")]
+  if not workdir or not workdir[-1].startswith("/"):
+    sys.exit(
+      "error: --workdir: must be an absolute path on a filesystem every host "
+      f"mounts; got {workdir[-1] if workdir else 'none'}"
+    )
+
+
 def submit(args, main_args: list[str]) -> int:
+  absolute_workdir(main_args)
   script = render(args, main_args)
   path = Path(args.log_dir) / f"{args.job_name}.sbatch"
   cmd = ["sbatch", str(path)]

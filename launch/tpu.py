@@ -19,7 +19,11 @@ import argparse
 import shlex
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import slurm  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 REMOTE_DIR = "loopjax"
@@ -41,14 +45,16 @@ def _gcloud(args, verb: str, *rest: str) -> list[str]:
 
 def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
   """(what, command) in order; 'create' runs only if 'describe' fails."""
-  run = f"cd {REMOTE_DIR} && python3 -m loopjax.main {shlex.join(main_args)}"
+  run = (
+    f"cd {REMOTE_DIR} && python3 -m loopjax.main --distributed {shlex.join(main_args)}"
+  )
   install = (
     f"rm -rf {REMOTE_DIR} && tar xf {Path(TARBALL).name} && cd {REMOTE_DIR} && "
-    "python3 -m pip install -q 'jax[tpu]' -e . "
+    f"python3 -m pip install -q 'jax[tpu]=={version('jax')}' -e . "
     "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html"
   )
   return [
-    ("describe", _gcloud(args, "describe")),
+    ("describe", _gcloud(args, "describe") + ["--format=value(state)"]),
     (
       "create",
       _gcloud(args, "create")
@@ -80,6 +86,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def launch(args, main_args: list[str]) -> int:
+  slurm.absolute_workdir(main_args)
   steps = plan(args, main_args)
   if args.skip_install:
     steps = [s for s in steps if s[0] not in ("pack", "copy", "install")]
@@ -90,7 +97,15 @@ def launch(args, main_args: list[str]) -> int:
     return 0
   for what, cmd in steps:
     if what == "describe":
-      exists = subprocess.run(cmd, capture_output=True).returncode == 0
+      found = subprocess.run(cmd, capture_output=True, text=True)
+      exists = found.returncode == 0
+      if exists and found.stdout.strip() != "READY":  # e.g. a preempted spot slice
+        print(
+          f"error: slice {args.name} is {found.stdout.strip() or 'not ready'}; "
+          "delete it or wait, then rerun",
+          file=sys.stderr,
+        )
+        return 1
       continue
     if what == "create" and exists:
       continue

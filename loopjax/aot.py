@@ -42,8 +42,7 @@ def check(config, num_devices: int) -> dict:
     vocab=kg.Vocab(d.num_entities, d.num_relations), max_hops=hops
   )
   max_len = hops + 1
-  mesh = sharding.make_mesh(config.mesh, jax.devices()[:num_devices])
-  train.check_batch(config, mesh)
+  mesh = train.run_mesh(config)[0]
   graphdef, abstract, tx, shardings = state.sharded_train_state(
     config, task, mesh, abstract=True
   )

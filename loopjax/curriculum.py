@@ -34,8 +34,9 @@ def check_task(config, task) -> None:
       )
 
 
-def train_iterator(config, task):
-  """The pipeline over the training split; per curriculum stage, if enabled."""
+def train_iterator(config, task, shard=(0, 1)):
+  """The pipeline over the training split; per curriculum stage, if enabled.
+  `shard`: which block of each batch this process feeds (pipeline)."""
 
   def make(max_hops=config.data.train_hops):
     return pipeline.train_iterator(
@@ -44,6 +45,7 @@ def train_iterator(config, task):
       config.seed,
       task.vocab.pad_id,
       config.data.atomic_repeat,
+      shard,
     )
 
   cur = config.train.curriculum

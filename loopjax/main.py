@@ -30,11 +30,17 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
   "step", None, "--mode=eval/analyze: checkpoint step (default: newest)."
 )
+flags.DEFINE_bool(
+  "distributed",
+  False,
+  "Join a multi-process run, letting JAX find the cluster (TPU VM slices, "
+  "SLURM job steps); launch/tpu.py and launch/slurm.sbatch pass it.",
+)
 flags.DEFINE_string(
   "coordinator_address",
   None,
-  "Multi-process runs: host:port of process 0 (default: detected on TPU pods "
-  "and SLURM; none: one process).",
+  "Multi-process runs elsewhere: host:port of process 0 (with --num_processes "
+  "and --process_id; launch/local.py passes them).",
 )
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many.")
 flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's index.")
@@ -94,13 +100,20 @@ def main(argv):
 
   from loopjax import analyze, evaluate, sharding, train
 
-  sharding.initialize(
-    FLAGS.coordinator_address,
-    FLAGS.num_processes,
-    FLAGS.process_id,
-    FLAGS.heartbeat_timeout,
-  )
-
+  try:
+    sharding.initialize(
+      FLAGS.distributed,
+      FLAGS.coordinator_address,
+      FLAGS.num_processes,
+      FLAGS.process_id,
+      FLAGS.heartbeat_timeout,
+    )
+  except config_lib.ConfigError as e:
+    config_lib.exit_with(str(e))
+  if FLAGS.mode != "train" and jax.process_count() > 1:
+    config_lib.exit_with(
+      f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
+    )
   try:
     if FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)

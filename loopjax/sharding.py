@@ -14,7 +14,6 @@ Shardings are jax's own (`jax.jit` in/out shardings, `NamedSharding`,
 import contextlib
 import contextvars
 import math
-import os
 
 import jax
 import numpy as np
@@ -30,6 +29,7 @@ _active = contextvars.ContextVar("loopjax_mesh_and_rules", default=None)
 
 
 def initialize(
+  distributed: bool = False,
   coordinator: str | None = None,
   num_processes: int | None = None,
   process_id: int | None = None,
@@ -38,12 +38,18 @@ def initialize(
   """Joins a multi-process run (`jax.distributed`), or does nothing alone.
 
   An explicit coordinator ("host:port", with the process count and this
-  process's id) is used as given; otherwise JAX's own cluster detection runs
-  where a cluster is visible (TPU pod VMs, SLURM jobs with several tasks). A
-  peer that stops answering for `heartbeat_s` seconds ends every process with
-  the coordination service's error, instead of a hang.
+  process's id) is used as given; `distributed` alone lets JAX detect the
+  cluster (TPU VM slices, SLURM job steps: the launchers pass it). Asked for,
+  never guessed from the environment: a lone process in an salloc shell must
+  not wait for peers. A peer that stops answering for `heartbeat_s` seconds
+  ends every process with the coordination service's error, not a hang.
   """
-  if coordinator is None and not _in_cluster():
+  if not distributed and coordinator is None:
+    if num_processes or process_id is not None:
+      raise ConfigError(
+        "--num_processes/--process_id: need --coordinator_address (or "
+        "--distributed, to take them from the cluster)"
+      )
     return
   # CPU processes reach each other's devices through gloo (tests, laptops);
   # accelerators' collectives do not read this.
@@ -54,13 +60,6 @@ def initialize(
     process_id=process_id,
     heartbeat_timeout_seconds=heartbeat_s,
   )
-
-
-def _in_cluster() -> bool:
-  """A multi-task SLURM job or a TPU pod slice with several workers."""
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-    return True
-  return len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
@@ -154,15 +153,37 @@ def batch_split(mesh, rules) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def process_rows(mesh, rules, batch_size: int) -> tuple[int, int]:
+  """(block, blocks): this process feeds rows [block * n, (block + 1) * n) of
+  every global batch, n = batch_size / blocks. Processes whose devices hold the
+  same rows (a mesh axis outside the batch rule spanning processes) get the
+  same block, so they feed the same examples."""
+  index_map = batch_sharding(mesh, rules).addressable_devices_indices_map((batch_size,))
+  spans = sorted({s[0].indices(batch_size)[:2] for s in index_map.values()})
+  lo, hi = spans[0][0], spans[-1][1]
+  if (
+    sum(b - a for a, b in spans) != hi - lo or batch_size % (hi - lo) or lo % (hi - lo)
+  ):
+    raise ConfigError(
+      f"mesh: process {jax.process_index()}'s devices hold rows {spans} of the "
+      "batch, not one block; use a mesh whose data and fsdp axes group each "
+      "process's devices"
+    )
+  return lo // (hi - lo), batch_size // (hi - lo)
+
+
 def batch_sharding(mesh, rules) -> NamedSharding:
   """Batches: examples split over the `batch` rule's mesh axes."""
   return NamedSharding(mesh, spec(("batch",), rules))
 
 
-def global_batch(batch: dict, sharding: NamedSharding) -> dict:
-  """One global array per column from this process's rows (its shard)."""
+def global_batch(batch: dict, sharding: NamedSharding, batch_size: int) -> dict:
+  """One global array per column from this process's rows (its block)."""
   return jax.tree.map(
-    lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)), batch
+    lambda x: jax.make_array_from_process_local_data(
+      sharding, np.asarray(x), (batch_size, *np.shape(x)[1:])
+    ),
+    batch,
   )
 
 

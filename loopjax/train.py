@@ -155,15 +155,18 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
-def check_batch(config, mesh) -> None:
-  """The batch must split evenly over the mesh axes examples are split over."""
-  n = sharding.batch_split(mesh, config.sharding.rules)
-  if config.train.batch_size % n:
+def run_mesh(config):
+  """(mesh, rules) for this run; the batch must split evenly over the mesh
+  axes examples are split over, in blocks of whole processes."""
+  mesh, rules = sharding.make_mesh(config.mesh), config.sharding.rules
+  n, B = sharding.batch_split(mesh, rules), config.train.batch_size
+  if B % n:
     raise ConfigError(
       f"train.batch_size: must be divisible by the {n} devices a batch is "
-      f"split over (mesh axes of the rule for 'batch'); got "
-      f"{config.train.batch_size}"
+      f"split over (mesh axes of the rule for 'batch'); got {B}"
     )
+  sharding.process_rows(mesh, rules, B)
+  return mesh, rules
 
 
 def _check_writable(workdir: Path) -> None:
@@ -200,10 +203,16 @@ def record_run(config, workdir: Path, task) -> None:
     f"data: fingerprint {dataset['fingerprint'][:16]}, "
     + ", ".join(f"{k}={n}" for k, n in sizes.items())
   )
-  if jax.process_index() == 0:
+  if jax.process_index() == 0:  # whole files: other hosts may be reading them
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(to_json(config))
-    saved.write_text(json.dumps(dataset, indent=2))
+    _write_atomic(workdir / "config.json", to_json(config))
+    _write_atomic(saved, json.dumps(dataset, indent=2))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
 
 
 class RunStopped(RuntimeError):
@@ -247,6 +256,7 @@ def train_and_evaluate(config, workdir) -> dict:
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
   curriculum.check_task(config, task)
+  run_mesh(config)  # mesh and batch errors before the workdir is written
   _check_writable(workdir)
   with _exclusive(workdir):
     return _train(config, workdir, task)
@@ -274,8 +284,7 @@ def _exclusive(workdir: Path):
 
 def _train(config, workdir: Path, task) -> dict:
   record_run(config, workdir, task)
-  mesh, rules = sharding.make_mesh(config.mesh), config.sharding.rules
-  check_batch(config, mesh)
+  mesh, rules = run_mesh(config)
   batch_sharding = sharding.batch_sharding(mesh, rules)
   graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
   train_step = make_train_step(
@@ -284,7 +293,10 @@ def _train(config, workdir: Path, task) -> dict:
   evaluator = evaluate.Evaluator(
     graphdef, config, task, mesh=mesh, param_shardings=shardings["params"]
   )
-  train_iter = curriculum.train_iterator(config, task)
+  B = config.train.batch_size
+  train_iter = curriculum.train_iterator(
+    config, task, sharding.process_rows(mesh, rules, B)
+  )
 
   phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
   mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
@@ -311,7 +323,7 @@ def _train(config, workdir: Path, task) -> dict:
         config,
         workdir,
         lambda state, batch: train_step(
-          state, sharding.global_batch(batch, batch_sharding)
+          state, sharding.global_batch(batch, batch_sharding, B)
         ),
         tx,
         train_iter,

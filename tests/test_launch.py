@@ -12,17 +12,19 @@ from launch import slurm, sweep, tpu
 MAIN_ARGS = ["--config=experiments/sysgen.py:paper", "--workdir=/shared/run"]
 
 
-@pytest.mark.parametrize("per,tasks,gpus_per_task", [("gpu", 8, 1), ("node", 1, 8)])
-def test_slurm_script_per_gpu_or_per_node(capsys, per, tasks, gpus_per_task):
+@pytest.mark.parametrize(
+  "per,tasks,gpus_per_task,ids",
+  [("gpu", 8, 1, "0"), ("node", 1, 8, "0,1,2,3,4,5,6,7")],
+)
+def test_slurm_script_per_gpu_or_per_node(capsys, per, tasks, gpus_per_task, ids):
   argv = ["--nodes=2", "--gpus_per_node=8", f"--per={per}", "--dry-run", "--"]
   assert slurm.main([*argv, *MAIN_ARGS]) == 0
   out = capsys.readouterr().out
   assert "#SBATCH --nodes=2" in out
   assert f"#SBATCH --ntasks-per-node={tasks}" in out
   assert f"#SBATCH --gpus-per-task={gpus_per_task}" in out
-  assert (
-    "srun --kill-on-bad-exit=1 python -m loopjax.main " + " ".join(MAIN_ARGS) in out
-  )
+  assert f"export JAX_LOCAL_DEVICE_IDS={ids}\n" in out  # not GPU SLURM_LOCALID
+  assert "python -m loopjax.main --distributed " + " ".join(MAIN_ARGS) in out
   assert out.rstrip().endswith("sbatch slurm_logs/loopjax.sbatch")
   assert not re.search(r"\{[a-z_]+\}", out)  # every field filled
 
@@ -51,7 +53,7 @@ def test_tpu_dry_run_prints_every_command(capsys):
   assert verbs == ["describe", "create", "git", "scp", "ssh", "ssh"]
   assert all("--zone=us-west4-a" in x for x in lines if x.startswith("gcloud"))
   assert lines[-1].endswith(
-    "--worker=all '--command=cd loopjax && python3 -m loopjax.main "
+    "--worker=all '--command=cd loopjax && python3 -m loopjax.main --distributed "
     + " ".join(MAIN_ARGS)
     + "'"
   )
@@ -64,12 +66,18 @@ def test_tpu_creates_the_slice_only_when_missing(monkeypatch, exists):
   def fake_run(cmd, **kw):
     ran.append(cmd[4] if cmd[0] == "gcloud" else cmd[0])
     rc = 0 if cmd[4:5] != ["describe"] or exists else 1
-    return subprocess.CompletedProcess(cmd, rc)
+    return subprocess.CompletedProcess(cmd, rc, stdout="READY\n")
 
   monkeypatch.setattr(tpu.subprocess, "run", fake_run)
   assert tpu.main(["--name=lj", "--zone=z", "--", *MAIN_ARGS]) == 0
   want = ["describe", "git", "scp", "ssh", "ssh"]
   assert ran == (want if exists else want[:1] + ["create"] + want[1:])
+
+
+def test_remote_runs_need_an_absolute_workdir(capsys):
+  for main in (slurm.main, lambda a: tpu.main(["--name=lj", "--zone=z", *a])):
+    with pytest.raises(SystemExit, match="--workdir: must be an absolute path"):
+      main(["--dry-run", "--", "--config=x.py", "--workdir=runs/x"])
 
 
 def test_sweep_submits_one_slurm_job_per_point(tmp_path, capsys):

@@ -21,13 +21,8 @@ def test_dry_run_gives_each_process_its_id(capsys):
     assert line.endswith(f"localhost:{port} --num_processes=3 --process_id={i}")
 
 
-def _launch(workdir, data_dir, steps):
-  cmd = [
-    sys.executable,
-    "launch/local.py",
-    "--num_processes=2",
-    "--devices_per_process=2",
-    "--",
+def _main(workdir, data_dir, steps, *flags):
+  return [
     sys.executable,
     "-m",
     "loopjax.main",
@@ -35,9 +30,27 @@ def _launch(workdir, data_dir, steps):
     f"--workdir={workdir}",
     f"--config.data.data_dir={data_dir}",
     f"--config.train.num_steps={steps}",
-    "--heartbeat_timeout=20",
+    *flags,
+  ]
+
+
+def _launch(workdir, data_dir, steps, *flags, devices=2):
+  cmd = [
+    sys.executable,
+    "launch/local.py",
+    "--num_processes=2",
+    f"--devices_per_process={devices}",
+    "--",
+    *_main(workdir, data_dir, steps, "--heartbeat_timeout=20", *flags),
   ]
   return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+
+
+def _losses(workdir):
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return {
+    r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r
+  }
 
 
 def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
@@ -59,20 +72,33 @@ def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   assert logged == sorted(set(logged)) and logged[-1] == 40  # one writer
 
 
+def test_processes_holding_the_same_rows_feed_the_same_examples(tmp_path):
+  """Tensor parallel across 2 processes (1 device each): both hold every row of
+  the batch, so both must feed the whole batch: the same losses as one
+  process with 2 devices on the same mesh."""
+  mesh = ["--config.mesh.data=1", "--config.mesh.tensor=-1"]
+  data_dir = tmp_path / "data"
+  two = _launch(tmp_path / "two", data_dir, 10, *mesh, devices=1)
+  assert two.returncode == 0, two.stdout[-3000:]
+  env = CPU_ENV | {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  one = subprocess.run(
+    _main(tmp_path / "one", data_dir, 10, *mesh),
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
+  assert one.returncode == 0, one.stderr[-3000:]
+  want, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  assert list(got) == list(want) == [10]
+  assert abs(got[10] - want[10]) < 1e-5 * abs(want[10])
+
+
 @pytest.mark.slow
 def test_a_dead_peer_ends_the_others_with_a_clear_error(tmp_path):
   """Process 1 is killed mid-training; process 0 exits (code 1) in bounded time
   with one line saying so, instead of hanging in its next collective."""
-  cmd = [
-    sys.executable,
-    "-m",
-    "loopjax.main",
-    "--config=experiments/sysgen.py:tiny",
-    f"--workdir={tmp_path / 'run'}",
-    f"--config.data.data_dir={tmp_path / 'data'}",
-    "--config.train.num_steps=1000000",
-    "--heartbeat_timeout=10",
-  ]
+  cmd = _main(tmp_path / "run", tmp_path / "data", 10**6, "--heartbeat_timeout=10")
   logs = [tmp_path / f"{i}.log" for i in range(2)]
   procs = [
     subprocess.Popen(c, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=CPU_ENV)

@@ -30,9 +30,16 @@ def _gather(split, idx_B, pad_id):
 
 
 def train_iterator(
-  split, batch_size: int, seed: int, pad_id: int, atomic_repeat: int = 1
+  split,
+  batch_size: int,
+  seed: int,
+  pad_id: int,
+  atomic_repeat: int = 1,
+  shard: tuple[int, int] = (0, 1),
 ):
-  """Endless shuffled batches of this process's shard (a new order each epoch).
+  """Endless shuffled batches of block `shard[0]` of `shard[1]` equal blocks of
+  each global batch (a new order each epoch); processes holding the same rows
+  of the mesh take the same block (`sharding.process_rows`).
 
   An element of the grain dataset is a whole batch: epoch e's permutation is
   drawn once (seeded by (seed, e)) and batch j is one slice and one gather, so a
@@ -41,13 +48,8 @@ def train_iterator(
   epoch is dropped. `atomic_repeat` > 1 puts every atomic fact (bridge -1) that
   many times in each epoch: OOD atomic facts are otherwise ~1% of the stream.
   """
-  n_proc, i_proc = jax.process_count(), jax.process_index()
-  if batch_size % n_proc:
-    raise ConfigError(
-      f"train.batch_size: must be divisible by the number of "
-      f"processes ({n_proc}); got {batch_size}"
-    )
-  B = batch_size // n_proc
+  i_proc, n_proc = shard
+  B = batch_size // n_proc  # sharding.process_rows checked the division
   atomic = np.flatnonzero(answer_pos(split["inputs"], pad_id) == 1)
   epoch = np.concatenate(
     [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
