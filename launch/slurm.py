@@ -79,13 +79,18 @@ def submit(args, main_args: list[str]) -> int:
   return subprocess.run(cmd).returncode
 
 
-def main(argv=None) -> int:
+def split_args(p: argparse.ArgumentParser, argv=None):
+  """(the launcher's parsed flags, loopjax.main's arguments after `--`)."""
   argv = sys.argv[1:] if argv is None else argv
   cut = argv.index("--") if "--" in argv else len(argv)
-  args = parser().parse_args(argv[:cut])
+  args = p.parse_args(argv[:cut])
   if not argv[cut + 1 :]:
-    parser().error("loopjax.main's arguments go after --")
-  return submit(args, argv[cut + 1 :])
+    p.error("loopjax.main's arguments go after --")
+  return args, argv[cut + 1 :]
+
+
+def main(argv=None) -> int:
+  return submit(*split_args(parser(), argv))
 
 
 if __name__ == "__main__":

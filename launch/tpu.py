@@ -116,12 +116,7 @@ def launch(args, main_args: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  cut = argv.index("--") if "--" in argv else len(argv)
-  args = parser().parse_args(argv[:cut])
-  if not argv[cut + 1 :]:
-    parser().error("loopjax.main's arguments go after --")
-  return launch(args, argv[cut + 1 :])
+  return launch(*slurm.split_args(parser(), argv))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import sys
 import time
 
 import pytest
-from conftest import CPU_ENV, steps_on_disk
+from conftest import CPU_ENV, cli, steps_on_disk
 
 from launch import local
 
@@ -22,16 +22,7 @@ def test_dry_run_gives_each_process_its_id(capsys):
 
 
 def _main(workdir, data_dir, steps, *flags):
-  return [
-    sys.executable,
-    "-m",
-    "loopjax.main",
-    "--config=experiments/sysgen.py:tiny",
-    f"--workdir={workdir}",
-    f"--config.data.data_dir={data_dir}",
-    f"--config.train.num_steps={steps}",
-    *flags,
-  ]
+  return cli(workdir, data_dir, f"--config.train.num_steps={steps}", *flags)
 
 
 def _launch(workdir, data_dir, steps, *flags, devices=2):
