@@ -91,7 +91,7 @@ def test_sharded_steps_match_one_device(setup, single_device, shape):
   )
   put = sharding.batch_sharding(mesh, config.sharding.rules)
   for batch, want in zip(_batches(config, task, 3), single_device[1], strict=True):
-    state, m = step(state, sharding.global_batch(batch, put))
+    state, m = step(state, sharding.global_batch(batch, put, config.train.batch_size))
     for k, v in want.items():
       np.testing.assert_allclose(m[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
   assert state["params"]["embed"].sharding == shardings["params"]["embed"]
