@@ -79,13 +79,22 @@ def table(rows: list[dict]) -> str:
       f"{r['L']} x {r['R']}",
       *(_num(acc.get(k)) for k in (1, 2, 4)),
       f"{r['kind']} ({', '.join(str(c or '-') for c in conv)})" if conv else "-",
-      " ".join(f"{p:.2f}" for p in r["profile"]) if "profile" in r else "-",
+      _profile(r["profile"]) if "profile" in r else "-",
       _num(r.get("top_share")),
       _num(r.get("bridge_mrr")),
       "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min",
     ]
     lines.append(cells)
   return markdown(list(COLUMNS), lines)
+
+
+def _profile(shares) -> str:
+  """Shares per key position; trailing positions no query reaches (padding of
+  shorter chains, < 0.005) left out."""
+  cells = [f"{p:.2f}" for p in shares]
+  while len(cells) > 1 and cells[-1] == "0.00":
+    cells.pop()
+  return " ".join(cells)
 
 
 def _num(x) -> str:
