@@ -1,6 +1,7 @@
 """Two loopjax processes on localhost, joined by jax.distributed (gloo on CPU)."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -110,3 +111,31 @@ def test_a_dead_peer_ends_the_others_with_a_clear_error(tmp_path):
       p.kill()
   (line,) = [x for x in logs[0].read_text().splitlines() if x.startswith("error:")]
   assert "a peer process has probably died" in line and "rerun" in line
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path):
+  """JAX's preemption sync: a SIGTERM to process 1 only; both save the same
+  step and exit 0, and the run resumes from it."""
+  import signal
+
+  cmd = _main(tmp_path / "run", tmp_path / "data", 10**6)
+  logs = [tmp_path / f"{i}.log" for i in range(2)]
+  procs = [
+    subprocess.Popen(c, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=CPU_ENV)
+    for c, log in zip(local.commands(cmd, 2, local.free_port()), logs, strict=True)
+  ]
+  try:
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and "train/loss" in metrics.read_text()):
+      assert time.monotonic() < deadline and procs[0].poll() is None
+      time.sleep(1)
+    procs[1].send_signal(signal.SIGTERM)
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+  finally:
+    for p in procs:
+      p.kill()
+  saved = [re.search(r"saved step (\d+)", log.read_text()).group(1) for log in logs]
+  assert saved[0] == saved[1] and steps_on_disk(tmp_path / "run")[-1] == int(saved[0])
+  assert all("SIGTERM (all processes)" in log.read_text() for log in logs)
