@@ -64,6 +64,7 @@ def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   assert logged == sorted(set(logged)) and logged[-1] == 40  # one writer
 
 
+@pytest.mark.slow
 def test_processes_holding_the_same_rows_feed_the_same_examples(tmp_path):
   """Tensor parallel across 2 processes (1 device each): both hold every row of
   the batch, so both must feed the whole batch: the same losses as one

@@ -122,7 +122,10 @@ def _wait_for_step(workdir, step, proc, timeout=120):
   raise TimeoutError(f"no step {step} in {workdir}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize(
+  "sig",  # SIGKILL at random moments: test_faults; this one is slow, like it
+  [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+)
 def test_killed_run_resumes(tiny_config, tmp_path, sig):
   """SIGTERM saves and exits 0; SIGKILL loses at most the steps since a save.
 
