@@ -34,6 +34,7 @@ def get_config(variant: str = "cpu"):
       probe_size=64,
     )
     c.model.update(d_model=32, num_heads=2, num_layers=1, num_loops=4)
+    c.mesh.devices = 1  # smoke tests: one device (the sharding tests set more)
     c.train.depth.update(mean=3.0, min=2, max=4)
     c.train.update(batch_size=64, num_steps=60, lr=5e-3, warmup_steps=10)
     c.train.curriculum.threshold = 0.0  # advance at every eval: exercised in tests

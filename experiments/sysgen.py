@@ -32,6 +32,7 @@ def get_config(variant: str = "cpu"):
       probe_size=64,
     )
     c.model.update(d_model=32, num_heads=2, num_layers=1, num_loops=2)
+    c.mesh.devices = 1  # smoke tests: one device (the sharding tests set more)
     c.train.update(batch_size=64, num_steps=60, lr=5e-3, warmup_steps=10)
     c.eval.batch_size = 256
     c.checkpoint.every = 20

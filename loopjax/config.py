@@ -153,7 +153,8 @@ def base() -> ml_collections.ConfigDict:
   c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
   # The device mesh (sizes of data, fsdp, tensor; -1: the remaining devices)
   # and which mesh axes each logical axis name is split over (sharding.py).
-  c.mesh = dict(data=-1, fsdp=1, tensor=1)
+  # devices: how many of this host's devices to use (0 = all).
+  c.mesh = dict(data=-1, fsdp=1, tensor=1, devices=0)
   c.sharding = dict(
     rules=(
       ("batch", ("data", "fsdp")),
@@ -345,6 +346,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def _validate_mesh(c) -> None:
   """What can be checked without devices (their count is checked at start)."""
+  if c.mesh.devices < 0:
+    raise ConfigError(f"mesh.devices: must be >= 0 (0 = all); got {c.mesh.devices}")
   named = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
   sizes = list(named.values())
   if sizes.count(-1) > 1 or any(

@@ -79,7 +79,15 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_cfg, devices=None) -> jax.sharding.Mesh:
-  devices = jax.devices() if devices is None else devices
+  """The mesh over `devices`, by default this run's: all of them, or the first
+  `mesh.devices` (one process only)."""
+  if devices is None:
+    n = mesh_cfg.get("devices", 0)
+    if n and jax.process_count() > 1:
+      raise ConfigError(
+        f"mesh.devices: must be 0 (all) with several processes; got {n}"
+      )
+    devices = jax.devices()[:n] if n else jax.devices()
   shape = mesh_shape(mesh_cfg, len(devices))
   return jax.make_mesh(
     shape,

@@ -23,7 +23,14 @@ def test_dry_run_gives_each_process_its_id(capsys):
 
 
 def _main(workdir, data_dir, steps, *flags):
-  return cli(workdir, data_dir, f"--config.train.num_steps={steps}", *flags)
+  """The tiny run on all of each process's devices (tiny itself uses one)."""
+  return cli(
+    workdir,
+    data_dir,
+    f"--config.train.num_steps={steps}",
+    "--config.mesh.devices=0",
+    *flags,
+  )
 
 
 def _launch(workdir, data_dir, steps, *flags, devices=2):

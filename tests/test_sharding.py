@@ -29,7 +29,7 @@ def setup(tmp_path_factory):
 
 def _mesh(config, shape, devices=None):
   config = config.copy_and_resolve_references()
-  config.mesh.update(dict(zip(sharding.MESH_AXES, shape, strict=True)))
+  config.mesh.update(dict(zip(sharding.MESH_AXES, shape, strict=True)), devices=0)
   return sharding.make_mesh(config.mesh, devices), config
 
 
