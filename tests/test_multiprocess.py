@@ -34,7 +34,7 @@ def _main(workdir, data_dir, steps, *flags):
   )
 
 
-def _launch(workdir, data_dir, steps, *flags, devices=2):
+def _launch(workdir, data_dir, steps, *flags, devices=1):
   cmd = [
     sys.executable,
     "launch/local.py",
@@ -54,7 +54,7 @@ def _losses(workdir):
 
 
 def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
-  """4 devices in 2 processes (data parallel 4 ways): a run to step 20 and its
+  """2 processes (data parallel over their devices): a run to step 20 and its
   resumption to 40; process 0 alone writes the logs."""
   workdir, data_dir = tmp_path / "run", tmp_path / "data"
   first = _launch(workdir, data_dir, 20)
