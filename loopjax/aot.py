@@ -43,7 +43,7 @@ def check(config, num_devices: int) -> dict:
   )
   max_len = hops + 1
   config.mesh.devices = num_devices  # the target's, whatever the variant says
-  mesh = train.run_mesh(config)[0]
+  mesh = sharding.run_mesh(config)[0]
   graphdef, abstract, tx, shardings = state.sharded_train_state(
     config, task, mesh, abstract=True
   )

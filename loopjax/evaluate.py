@@ -5,6 +5,7 @@ iteration, so all depths cost one compiled program and one pass over the data.
 """
 
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -44,16 +45,9 @@ class Evaluator:
     self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
     self.pad = task.vocab.pad_id
     split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
-    self.batch_size = (
-      -(
-        -min(
-          config.eval.batch_size,
-          max((len(v["target"]) for v in self.probes.values()), default=1),
-        )
-        // split
-      )
-      * split
-    )  # a multiple of the split (eval_batches pads the last batch)
+    longest = max((len(v["target"]) for v in self.probes.values()), default=1)
+    # A multiple of the split (eval_batches pads the last batch).
+    self.batch_size = split * math.ceil(min(config.eval.batch_size, longest) / split)
     key, dtype, R_eval = (
       jax.random.key(config.seed),
       config.model.dtype,

@@ -230,3 +230,17 @@ def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
     ),
     batch,
   )
+
+
+def run_mesh(config):
+  """(mesh, rules, this process's rows: `process_rows`) for this run;
+  the batch must split evenly over the mesh axes examples are split over, in
+  blocks of whole processes."""
+  mesh, rules = make_mesh(config.mesh), config.sharding.rules
+  n, B = batch_split(mesh, rules), config.train.batch_size
+  if B % n:
+    raise ConfigError(
+      f"train.batch_size: must be divisible by the {n} devices a batch is "
+      f"split over (mesh axes of the rule for 'batch'); got {B}"
+    )
+  return mesh, rules, process_rows(mesh, rules, B)

@@ -155,20 +155,6 @@ def check_workdir(config, workdir: Path) -> None:
     )
 
 
-def run_mesh(config):
-  """(mesh, rules) for this run; the batch must split evenly over the mesh
-  axes examples are split over, in blocks of whole processes."""
-  mesh, rules = sharding.make_mesh(config.mesh), config.sharding.rules
-  n, B = sharding.batch_split(mesh, rules), config.train.batch_size
-  if B % n:
-    raise ConfigError(
-      f"train.batch_size: must be divisible by the {n} devices a batch is "
-      f"split over (mesh axes of the rule for 'batch'); got {B}"
-    )
-  sharding.process_rows(mesh, rules, B)
-  return mesh, rules
-
-
 def _check_writable(workdir: Path) -> None:
   """Fails now, not at the first checkpoint, if the workdir cannot be written."""
   probe = workdir / f".write-probe-{jax.process_index()}"
@@ -256,10 +242,10 @@ def train_and_evaluate(config, workdir) -> dict:
   check_workdir(config, workdir)
   task = data.load(config.data)  # bad data settings fail before the workdir exists
   curriculum.check_task(config, task)
-  run_mesh(config)  # mesh and batch errors before the workdir is written
+  placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
   _check_writable(workdir)
   with _exclusive(workdir):
-    return _train(config, workdir, task)
+    return _train(config, workdir, task, placement)
 
 
 @contextlib.contextmanager
@@ -282,9 +268,10 @@ def _exclusive(workdir: Path):
     yield
 
 
-def _train(config, workdir: Path, task) -> dict:
+def _train(config, workdir: Path, task, placement) -> dict:
+  """`placement`: sharding.run_mesh's (mesh, rules, rows), computed before the lock."""
   record_run(config, workdir, task)
-  mesh, rules = run_mesh(config)
+  mesh, rules, rows = placement
   batch_sharding = sharding.batch_sharding(mesh, rules)
   graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
   train_step = make_train_step(
@@ -294,9 +281,7 @@ def _train(config, workdir: Path, task) -> dict:
     graphdef, config, task, mesh=mesh, param_shardings=shardings["params"]
   )
   B = config.train.batch_size
-  train_iter = curriculum.train_iterator(
-    config, task, sharding.process_rows(mesh, rules, B)
-  )
+  train_iter = curriculum.train_iterator(config, task, rows)
 
   phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
   mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
