@@ -63,7 +63,10 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
     "train_depths": train_depths(config),
     "main_split": main_split(config),
   }
-  traced = trace_all(config, graphdef, params, probes, pad, a.names)
+  traced = {}
+  if any(n in MECHANISTIC for n in a.names):
+    step_fn = traced_step(config, graphdef, pad, a.names)
+    traced = trace_all(config, step_fn, params, probes, pad)
   if "logit_lens" in a.names and a.lens_phases:
     traced["logit_lens_phases"] = lens_phases(config, workdir, probes, pad)
   written = []
@@ -87,18 +90,17 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
   return written
 
 
-def trace_all(config, graphdef, params, probes, pad, names) -> dict:
-  """{name: {split: summary}} for the mechanistic analyses among `names`, from
-  one traced pass per batch to analyze.max_depth iterations."""
+def traced_step(config, graphdef, pad, names):
+  """One jitted pass for the mechanistic analyses among `names`: the model's
+  trace to analyze.max_depth iterations, reduced per example by each."""
   names = [n for n in names if n in MECHANISTIC]
-  if not names:
-    return {}
-  a, dtype, key = config.analyze, config.model.dtype, jax.random.key(config.seed)
+  dtype, depth = config.model.dtype, config.analyze.max_depth
+  key = jax.random.key(config.seed)
 
   @jax.jit
   def step(params, batch):
     model = nnx.merge(graphdef, cast(params, dtype))
-    trace = model.trace(batch["inputs"], a.max_depth, key)
+    trace = model.trace(batch["inputs"], depth, key)
     out = {}
     if "logit_lens" in names:
       out["logit_lens"] = logit_lens.per_example(model, trace, batch)
@@ -111,22 +113,25 @@ def trace_all(config, graphdef, params, probes, pad, names) -> dict:
         out[name] = module.per_example(trace, batch, pad)
     return out
 
-  out = {n: {} for n in names}
+  return step
+
+
+def trace_all(config, step, params, probes, pad) -> dict:
+  """{name: {split: summary}} from `traced_step`'s per-example results."""
+  a, out = config.analyze, {}
+  summarize = {
+    "logit_lens": lambda ex, split: logit_lens.summarize(ex, split["bridge"]),
+    "fixed_points": lambda ex, split: fixed_points.summarize(ex, a.tol),
+    "attention": lambda ex, split: attention.summarize(ex),
+    "activations": lambda ex, split: activations.summarize(ex, config.model.d_model),
+  }
   for split_name, split in probes.items():
     split = split | {"bridge": kg.first_bridge(split)}
     ex = pipeline.map_batches(
       lambda b: step(params, b), split, a.batch_size, pad, columns=("bridge",)
     )
-    for name in names:
-      if name == "logit_lens":
-        summary = logit_lens.summarize(ex[name], split["bridge"])
-      elif name == "fixed_points":
-        summary = fixed_points.summarize(ex[name], a.tol)
-      elif name == "attention":
-        summary = attention.summarize(ex[name])
-      else:
-        summary = activations.summarize(ex[name], config.model.d_model)
-      out[name][split_name] = summary
+    for name, result in ex.items():
+      out.setdefault(name, {})[split_name] = summarize[name](result, split)
   return out
 
 
@@ -134,7 +139,7 @@ def lens_phases(config, workdir: Path, probes, pad) -> list[dict]:
   """The logit lens on each grokking phase's checkpoint (phases.json), in step
   order: [{"phase", "step", "logit_lens": {split: summary}}]; phases whose
   checkpoint is gone are left out."""
-  out = []
+  out, lens_step = [], None
   for phase, step in sorted(grokking.load(workdir).items(), key=lambda x: x[1]):
     if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
       continue
@@ -143,6 +148,8 @@ def lens_phases(config, workdir: Path, probes, pad) -> list[dict]:
     except ConfigError as e:  # a damaged checkpoint: the other phases still count
       print(f"logit lens: phase {phase} left out: {e}")
       continue
-    lens = trace_all(config, graphdef, params, probes, pad, ["logit_lens"])
+    if lens_step is None:  # compiled once for every phase's params
+      lens_step = traced_step(config, graphdef, pad, ["logit_lens"])
+    lens = trace_all(config, lens_step, params, probes, pad)
     out.append({"phase": phase, "step": step, **lens})
   return out
