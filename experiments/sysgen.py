@@ -4,7 +4,7 @@ Variants: `tiny` (smoke test, under a minute), `cpu` (default: the whole
 memorize -> ID -> OOD story in a few minutes on a 2-core laptop), `paper` (LTG's
 systematicity setting).
 
-`cpu` departs from the papers' recipe in three measured ways (README, Results):
+`cpu` departs from the papers' recipe in three measured ways (docs/results/sysgen.md):
 atomic facts appear 8x per epoch (OOD atomic facts are otherwise ~1% of the
 stream), atomic facts get a loss after every iteration (`atomic_every`: without
 it OOD facts resolve iterations later than ID ones and OOD composition stalls

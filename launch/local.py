@@ -11,7 +11,11 @@ output line is prefixed with `[i]`. When a process fails, the others get
 SIGTERM after --grace seconds and SIGKILL after twice that (they also stop by
 themselves once a collective with the dead one fails or its heartbeat is
 missed); the exit code is the first failure's. With --no-cpu, process i sees
-GPUs i*k .. i*k+k-1 (k = devices_per_process). --dry-run prints the commands.
+GPUs i*k .. i*k+k-1 (k = devices_per_process). --follow also starts an
+evaluation job on the CPU (`--mode=eval --follow` on the command's --workdir;
+its lines prefixed `[eval]`), which ends once it has evaluated the final
+checkpoint, or is stopped like the others if training fails. --dry-run prints
+the commands.
 """
 
 import argparse
@@ -42,9 +46,17 @@ def commands(cmd: list[str], n: int, port: int) -> list[list[str]]:
   ]
 
 
-def _relay(i: int, stream) -> None:
+def follower(cmd: list[str]) -> list[str]:
+  """The evaluation job for a training command: same interpreter, same workdir."""
+  workdir = [a for a in cmd if a.startswith("--workdir=")]
+  if not workdir:
+    sys.exit("error: --follow: the command needs a --workdir=")
+  return [sys.executable, "-m", "loopjax.main", "--mode=eval", "--follow", workdir[-1]]
+
+
+def _relay(name, stream) -> None:
   for line in iter(stream.readline, ""):
-    sys.stdout.write(f"[{i}] {line}")
+    sys.stdout.write(f"[{name}] {line}")
     sys.stdout.flush()
 
 
@@ -54,6 +66,7 @@ def main(argv=None) -> int:
   p.add_argument("--devices_per_process", type=int, default=1)
   p.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True)
   p.add_argument("--grace", type=float, default=10.0)
+  p.add_argument("--follow", action="store_true", help="and an evaluation job")
   p.add_argument("--dry-run", action="store_true")
   p.add_argument("cmd", nargs=argparse.REMAINDER)
   args = p.parse_args(argv)
@@ -73,6 +86,11 @@ def main(argv=None) -> int:
       for i in range(args.num_processes)
     ]
   cmds = commands(cmd, args.num_processes, free_port())
+  names = list(range(args.num_processes))
+  if args.follow:
+    cmds.append(follower(cmd))
+    envs.append(os.environ | {"JAX_PLATFORMS": "cpu"})
+    names.append("eval")
   if args.dry_run:
     for c in cmds:
       print(shlex.join(c))
@@ -85,13 +103,13 @@ def main(argv=None) -> int:
   ]
   relays = [
     threading.Thread(target=_relay, args=(i, pr.stdout), daemon=True)
-    for i, pr in enumerate(procs)
+    for i, pr in zip(names, procs, strict=True)
   ]
   for t in relays:
     t.start()
-  failed_at = None
+  trainers, failed_at = procs[: args.num_processes], None
   while any(pr.poll() is None for pr in procs):
-    if failed_at is None and any(pr.poll() for pr in procs):
+    if failed_at is None and any(pr.poll() for pr in trainers):  # not the eval job
       failed_at = time.monotonic()
     waited = 0 if failed_at is None else time.monotonic() - failed_at
     for pr in procs if waited > args.grace else ():
@@ -100,8 +118,7 @@ def main(argv=None) -> int:
     time.sleep(0.2)
   for t in relays:
     t.join()
-  codes = [pr.returncode for pr in procs]
-  return next((c for c in codes if c), 0)
+  return next((pr.returncode for pr in procs if pr.returncode), 0)
 
 
 if __name__ == "__main__":

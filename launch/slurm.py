@@ -6,9 +6,12 @@
 
 `--per=gpu` (default) runs one process per GPU (nodes x gpus_per_node
 processes, one GPU each); `--per=node` one process per node seeing all its
-GPUs. The arguments after `--` go to `python -m loopjax.main`. The script is
-written to `<log_dir>/<job_name>.sbatch` and submitted with `sbatch`;
---dry-run prints it and the sbatch command instead.
+GPUs. `--follow` also runs an evaluation job (`--mode=eval --follow` on the
+same workdir) as an overlapping job step on the CPUs of the first node, so
+training keeps every GPU. The arguments after `--` go to
+`python -m loopjax.main`. The script is written to
+`<log_dir>/<job_name>.sbatch` and submitted with `sbatch`; --dry-run prints it
+and the sbatch command instead.
 """
 
 import argparse
@@ -37,6 +40,17 @@ def render(args, main_args: list[str]) -> str:
     setup=args.setup,
     args=shlex.join(main_args),
     local_device_ids=",".join(map(str, range(1 if per_gpu else args.gpus_per_node))),
+    follow=_follow_step(args, main_args) if args.follow else "",
+  )
+
+
+def _follow_step(args, main_args: list[str]) -> str:
+  workdir = [a for a in main_args if a.startswith("--workdir=")][-1]
+  return (
+    "# The evaluation job: one task on the first node's CPUs, beside training.\n"
+    f"srun --overlap --nodes=1 --ntasks=1 --gpus=0 --cpus-per-task={args.cpus_per_task}"
+    " --export=ALL,JAX_PLATFORMS=cpu \\\n"
+    f"    python -m loopjax.main --mode=eval --follow {shlex.quote(workdir)} &"
   )
 
 
@@ -51,6 +65,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--log_dir", default="slurm_logs")
   p.add_argument("--setup", default="source .venv/bin/activate")
   p.add_argument("--sbatch", action="append", default=[], help="extra #SBATCH line")
+  p.add_argument("--follow", action="store_true", help="and an evaluation job")
   p.add_argument("--dry-run", action="store_true")
   return p
 

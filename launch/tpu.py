@@ -11,7 +11,9 @@ worker and installs it (jax[tpu] and loopjax, with pip), then runs
 JAX finds the other workers itself on TPU VMs (loopjax.main calls
 jax.distributed.initialize when TPU_WORKER_HOSTNAMES lists several). The
 workdir must be a filesystem every worker mounts (Filestore, GCS FUSE): all
-write one checkpoint together, and process 0 the logs.
+write one checkpoint together, and process 0 the logs. `--follow` first starts
+an evaluation job (`--mode=eval --follow`, on the CPU: the TPU chips are
+training's) in the background on worker 0, logging to ~/loopjax-follow.log.
 --dry-run prints every gcloud command instead of running it.
 """
 
@@ -53,6 +55,11 @@ def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
     f"python3 -m pip install -q 'jax[tpu]=={version('jax')}' -e . "
     "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html"
   )
+  workdir = [a for a in main_args if a.startswith("--workdir=")][-1]
+  follow = (
+    f"cd {REMOTE_DIR} && nohup env JAX_PLATFORMS=cpu python3 -m loopjax.main "
+    f"--mode=eval --follow {shlex.quote(workdir)} > ~/loopjax-follow.log 2>&1 &"
+  )
   return [
     ("describe", _gcloud(args, "describe") + ["--format=value(state)"]),
     (
@@ -68,6 +75,7 @@ def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
     ),
     ("copy", _gcloud(args, "scp", TARBALL, f"{args.name}:~/") + ["--worker=all"]),
     ("install", _gcloud(args, "ssh") + ["--worker=all", f"--command={install}"]),
+    ("follow", _gcloud(args, "ssh") + ["--worker=0", f"--command={follow}"]),
     ("run", _gcloud(args, "ssh") + ["--worker=all", f"--command={run}"]),
   ]
 
@@ -81,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--version", default="v2-alpha-tpuv5-lite", help="TPU VM image")
   p.add_argument("--spot", action="store_true")
   p.add_argument("--skip_install", action="store_true", help="already set up")
+  p.add_argument("--follow", action="store_true", help="and an evaluation job")
   p.add_argument("--dry-run", action="store_true")
   return p
 
@@ -90,6 +99,8 @@ def launch(args, main_args: list[str]) -> int:
   steps = plan(args, main_args)
   if args.skip_install:
     steps = [s for s in steps if s[0] not in ("pack", "copy", "install")]
+  if not args.follow:
+    steps = [s for s in steps if s[0] != "follow"]
   if args.dry_run:
     for what, cmd in steps:
       prefix = "# if describe fails:\n" if what == "create" else ""

@@ -13,23 +13,23 @@ import json
 from pathlib import Path
 
 import jax
-from flax import nnx
 
 from loopjax import data, evaluate
 from loopjax.analysis import (
+  MECHANISTIC,
   activations,
   attention,
   figures,
   fixed_points,
-  grokking,
   halting_sweep,
   logit_lens,
   mechanistic_figures,
   overthinking,
 )
-from loopjax.config import MECHANISTIC, ConfigError
 from loopjax.data import kg, pipeline
-from loopjax.state import cast
+from loopjax.errors import first_line
+from loopjax.state import Model
+from loopjax.workdir import Workdir
 
 
 def train_depths(config) -> list[int]:
@@ -48,15 +48,15 @@ def main_split(config) -> str:
   return f"test_k{config.data.train_hops}"
 
 
-def analyze(config, workdir, step: int | None = None) -> list[Path]:
+def analyze(config, workdir, step: int | None = None, out_dir=None) -> list[Path]:
+  """Runs `analyze.names` on a checkpoint; writes under `out_dir` (default
+  `workdir/analysis`)."""
   workdir = Path(workdir)
-  task, graphdef, params, step = evaluate.restore_params(config, workdir, step)
+  task, model, step = evaluate.restore_model(config, workdir, step)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
-  key = jax.random.key(config.seed)  # the evaluator's, for init_state random
-  args = (graphdef, params, config.model.dtype, key, probes)
-  batch, pad, a = config.eval.batch_size, task.vocab.pad_id, config.analyze
-  out_dir = workdir / "analysis"
-  out_dir.mkdir(exist_ok=True)
+  pad, a = task.vocab.pad_id, config.analyze
+  out_dir = workdir / "analysis" if out_dir is None else Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
   head = {
     "step": step,
     "fingerprint": data.fingerprint(task),
@@ -65,16 +65,16 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
   }
   traced = {}
   if any(n in MECHANISTIC for n in a.names):
-    step_fn = traced_step(config, graphdef, pad, a.names)
-    traced = trace_all(config, step_fn, params, probes, pad)
+    step_fn = traced_step(config, pad, a.names)
+    traced = trace_all(config, step_fn, model, probes, pad)
   if "logit_lens" in a.names and a.lens_phases:
-    traced["logit_lens_phases"] = lens_phases(config, workdir, probes, pad)
+    traced["logit_lens_phases"] = lens_phases(config, workdir, task, probes)
   written = []
   for name in a.names:
     if name == "overthinking":
-      result = overthinking.curves(*args, a.max_depth, batch, pad)
+      result = overthinking.curves(model, probes, config, pad)
     elif name == "halting":
-      result = halting_sweep.table(*args, a.halting, batch, pad)
+      result = halting_sweep.table(model, probes, config, pad)
     else:
       result = traced[name]
     report = head | {name: result}
@@ -90,16 +90,15 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
   return written
 
 
-def traced_step(config, graphdef, pad, names):
-  """One jitted pass for the mechanistic analyses among `names`: the model's
-  trace to analyze.max_depth iterations, reduced per example by each."""
+def traced_step(config, pad, names):
+  """One jitted pass (model, batch) for the mechanistic analyses among `names`:
+  the model's trace to analyze.max_depth iterations, reduced per example by each."""
   names = [n for n in names if n in MECHANISTIC]
-  dtype, depth = config.model.dtype, config.analyze.max_depth
-  key = jax.random.key(config.seed)
+  depth, key = config.analyze.max_depth, evaluate.eval_key(config)
 
   @jax.jit
-  def step(params, batch):
-    model = nnx.merge(graphdef, cast(params, dtype))
+  def step(weights: Model, batch):
+    model = weights.module()
     trace = model.trace(batch["inputs"], depth, key)
     out = {}
     if "logit_lens" in names:
@@ -116,7 +115,7 @@ def traced_step(config, graphdef, pad, names):
   return step
 
 
-def trace_all(config, step, params, probes, pad) -> dict:
+def trace_all(config, step, model: Model, probes, pad) -> dict:
   """{name: {split: summary}} from `traced_step`'s per-example results."""
   a, out = config.analyze, {}
   summarize = {
@@ -128,28 +127,31 @@ def trace_all(config, step, params, probes, pad) -> dict:
   for split_name, split in probes.items():
     split = split | {"bridge": kg.first_bridge(split)}
     ex = pipeline.map_batches(
-      lambda b: step(params, b), split, a.batch_size, pad, columns=("bridge",)
+      lambda b: step(model, b), split, a.batch_size, pad, columns=("bridge",)
     )
     for name, result in ex.items():
       out.setdefault(name, {})[split_name] = summarize[name](result, split)
   return out
 
 
-def lens_phases(config, workdir: Path, probes, pad) -> list[dict]:
+def lens_phases(config, workdir: Path, task, probes) -> list[dict]:
   """The logit lens on each grokking phase's checkpoint (phases.json), in step
   order: [{"phase", "step", "logit_lens": {split: summary}}]; phases whose
   checkpoint is gone are left out."""
-  out, lens_step = [], None
-  for phase, step in sorted(grokking.load(workdir).items(), key=lambda x: x[1]):
-    if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
-      continue
-    try:
-      _, graphdef, params, _ = evaluate.restore_params(config, workdir, step)
-    except ConfigError as e:  # a damaged checkpoint: the other phases still count
-      print(f"logit lens: phase {phase} left out: {e}")
-      continue
-    if lens_step is None:  # compiled once for every phase's params
-      lens_step = traced_step(config, graphdef, pad, ["logit_lens"])
-    lens = trace_all(config, lens_step, params, probes, pad)
-    out.append({"phase": phase, "step": step, **lens})
+  pad = task.vocab.pad_id
+  out, lens_step = [], traced_step(config, pad, ["logit_lens"])  # compiled once
+  reader = evaluate.Reader(config, workdir, task)
+  try:
+    for phase, step in sorted(Workdir(workdir).reached().items(), key=lambda x: x[1]):
+      if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
+        continue
+      try:
+        model, _ = reader.model(step)
+      except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the others count
+        print(f"logit lens: phase {phase} left out: {first_line(e)}")
+        continue
+      lens = trace_all(config, lens_step, model, probes, pad)
+      out.append({"phase": phase, "step": step, **lens})
+  finally:
+    reader.close()
   return out

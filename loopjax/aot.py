@@ -14,7 +14,6 @@ accelerator's) and the specs of the largest parameters.
 
 import os
 import sys
-import types
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -36,20 +35,14 @@ def check(config, num_devices: int) -> dict:
   from loopjax import sharding, state, train
   from loopjax.data import kg
 
-  d = config.data
-  hops = d.max_hops if d.task == "chains" else 2
-  task = types.SimpleNamespace(
-    vocab=kg.Vocab(d.num_entities, d.num_relations), max_hops=hops
-  )
-  max_len = hops + 1
+  task = kg.without_examples(config.data)
+  max_len = task.max_hops + 1
   config.mesh.devices = num_devices  # the target's, whatever the variant says
-  mesh = sharding.run_mesh(config)[0]
+  mesh = sharding.run_mesh(config).mesh
   graphdef, abstract, tx, shardings = state.sharded_train_state(
     config, task, mesh, abstract=True
   )
-  step = train.make_train_step(
-    graphdef, tx, config.model, config.train, mesh, shardings, config.sharding.rules
-  )
+  step = train.make_train_step(config, graphdef, tx, mesh, shardings)
   B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
   batch = {
     "inputs": jax.ShapeDtypeStruct((B, max_len), np.int32, sharding=put),
@@ -75,13 +68,14 @@ def check(config, num_devices: int) -> dict:
 def main(argv):
   del argv
   from loopjax import config as config_lib
+  from loopjax.errors import ConfigError, exit_with
 
   config = FLAGS.config
   try:
     config_lib.validate(config)
     report = check(config, FLAGS.devices)
-  except config_lib.ConfigError as e:
-    config_lib.exit_with(str(e))
+  except ConfigError as e:
+    exit_with(str(e))
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
   print(f"compiled the train step for mesh {mesh} ({FLAGS.devices} CPU devices)")
   print("memory per device (XLA:CPU):")
@@ -99,4 +93,7 @@ if __name__ == "__main__":
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
   )
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from loopjax import xla
+
+  xla.apply_defaults()
   app.run(main)

@@ -1,9 +1,9 @@
 """orbax checkpoints of the train state and the data iterator.
 
-Layout: `workdir/checkpoints/<step>/{state,data,meta}`. Saves are async; the
-last `keep` are kept, plus every step divisible by `keep_every` and the steps the
-training loop pins (grokking phase transitions). `meta` holds a checksum of every
-saved array, computed on device before the write and checked after a restore.
+Layout: `workdir/checkpoints/<step>/{state,data,meta}`; which steps are kept
+is the workdir's rule (`Workdir.checkpoints`). Saves are async. `meta` holds a
+checksum of every saved array, computed on device before the write and checked
+after a restore.
 Restore walks back from the newest step until one restores and verifies; a step
 that does not is moved to `workdir/checkpoints_corrupt/` (kept, never deleted), so
 a torn or damaged file never blocks a resume and the step can be saved again.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from loopjax.config import ConfigError, first_line
+from loopjax.errors import ConfigError, first_line
 
 CORRUPT_DIR = "checkpoints_corrupt"
 
@@ -37,32 +37,6 @@ class WriteError(OSError):
 
 class CorruptCheckpoint(ValueError):
   """A checkpoint whose arrays do not match the checksums saved with them."""
-
-
-class _Pinned:
-  """Preserves the steps that are values of a dict the training loop updates."""
-
-  def __init__(self, pinned: dict):
-    self.pinned = pinned
-
-  def should_preserve(self, checkpoints, *, context):
-    del context
-    steps = set(self.pinned.values())
-    return [c.step in steps for c in checkpoints]
-
-
-def manager(workdir, cfg, pinned: dict | None = None) -> ocp.CheckpointManager:
-  """Keeps the last `cfg.keep`, every `cfg.keep_every`-th and `pinned`'s steps."""
-  cm = ocp.checkpoint_managers
-  policies = [cm.LatestN(n=cfg.keep), _Pinned({} if pinned is None else pinned)]
-  if cfg.keep_every:
-    policies.append(cm.EveryNSteps(interval_steps=cfg.keep_every))
-  options = ocp.CheckpointManagerOptions(
-    preservation_policy=cm.AnyPreservationPolicy(policies),
-    enable_async_checkpointing=cfg.async_save,
-    create=True,
-  )
-  return ocp.CheckpointManager((workdir / "checkpoints").absolute(), options=options)
 
 
 @jax.jit

@@ -1,15 +1,20 @@
-"""Config defaults, validation and workdir compatibility.
+"""Config defaults and validation.
 
 Experiment files under `experiments/` start from `base()` and set what their
 paper's hyperparameter table says. `validate` runs before anything compiles and
-raises `ConfigError` with one line naming the field and what is allowed.
+raises `ConfigError` with one line naming the field and what is allowed; each
+field is checked here, once (what only the data or the devices can tell is
+checked where they are loaded: `curriculum.check_task`, `sharding.run_mesh`).
 """
 
 import json
 import math
-import sys
 
 import ml_collections
+
+from loopjax import halting
+from loopjax.analysis import ANALYSES, MECHANISTIC
+from loopjax.errors import ConfigError
 
 ENUMS = {
   "data.task": ("composition", "chains"),
@@ -24,57 +29,11 @@ ENUMS = {
   "train.supervise": ("last", "from_hops", "atomic_every"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
 }
-
-# Adaptive-halting rules (halting.py) and the analyses `--mode=analyze` runs.
-HALTING_CRITERIA = (
-  "kl_entropy",
-  "kl",
-  "kl_reverse",
-  "entropy",
-  "latent",
-  "argmax",
-  "fixed",
-)
-# The mechanistic ones read one traced pass (every layer's output and weights).
-MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
-ANALYSES = ("overthinking", "halting", *MECHANISTIC)
-
-# Fields that may change when a run resumes: how long and how often, not what.
-RESUMABLE = (
-  "model.scan_unroll",  # how the loop is compiled, not what it computes
-  "model.remat",
-  "train.num_steps",
-  "eval_every",
-  "log_every",
-  "checkpoint",
-  "eval",
-  "data.data_dir",
-  "phases",
-  "analyze",
-  "mesh",  # a checkpoint restores on any mesh: where the math runs, not what
-  "sharding",
-)
-
-
-class ConfigError(ValueError):
-  """Bad input (a config value, a data file); the message is one line for the user."""
-
-
-def first_line(e: Exception, limit: int = 400) -> str:
-  """An exception as one line for the user (library errors can run to pages)."""
-  lines = str(e).strip().splitlines()
-  if not lines:
-    return type(e).__name__
-  line = lines[0]  # long ones (tensorstore's) put the cause at the end: keep both
-  return (
-    line if len(line) <= limit else f"{line[: limit // 2]} ... {line[-limit // 2 :]}"
-  )
-
-
-def exit_with(message: str, code: int = 2):
-  """Ends a command-line run: one line on stderr; exit code 2 for bad input."""
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(code)
+# Tuple fields whose every name must be one the owning module knows.
+NAME_LISTS = {
+  "analyze.names": ANALYSES,
+  "analyze.halting.criteria": tuple(halting.CRITERIA),
+}
 
 
 def base() -> ml_collections.ConfigDict:
@@ -179,7 +138,7 @@ def base() -> ml_collections.ConfigDict:
     tol=1e-3,
     lens_phases=True,
     halting=dict(
-      criteria=HALTING_CRITERIA,
+      criteria=tuple(halting.CRITERIA),
       r_min=1,
       r_max=16,
       eps=(1e-4, 1e-3, 1e-2, 1e-1),
@@ -189,21 +148,83 @@ def base() -> ml_collections.ConfigDict:
     ),
   )
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
-  c.eval_every = 250
+  c.eval_every = 250  # 0: no in-loop evaluation (an evaluation job follows the run)
   c.log_every = 50
   return c
 
 
-def _positive(c, *fields):
-  for f in fields:
-    if _get(c, f) < 1:
-      raise ConfigError(f"{f}: must be >= 1, got {_get(c, f)!r}")
+# Simple bounds, one table: field -> (holds for a good value, what is allowed).
+_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+_AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
+_UNIT = (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+_HALF_OPEN_UNIT = (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
+_BOUNDS = {
+  **dict.fromkeys(
+    (
+      "data.num_entities",
+      "data.num_relations",
+      "data.out_degree",
+      "data.probe_size",
+      "data.atomic_repeat",
+      "model.d_model",
+      "model.num_heads",
+      "model.mlp_ratio",
+      "model.scan_unroll",
+      "model.num_layers",
+      "model.num_loops",
+      "train.batch_size",
+      "train.num_steps",
+      "eval.batch_size",
+      "checkpoint.every",
+      "checkpoint.keep",
+      "log_every",
+      "analyze.max_depth",
+      "analyze.batch_size",
+      "analyze.halting.r_min",
+      "analyze.halting.r_max",
+    ),
+    _AT_LEAST_1,
+  ),
+  **dict.fromkeys(
+    (
+      "seed",
+      "data.seed",
+      "model.num_prelude",
+      "model.num_coda",
+      "train.warmup_steps",
+      "checkpoint.keep_every",
+    ),
+    _AT_LEAST_0,
+  ),
+  **dict.fromkeys(("data.ood_ratio", "data.p_test_id"), _UNIT),
+  **dict.fromkeys(("train.b1", "train.b2", "train.label_smoothing"), _HALF_OPEN_UNIT),
+  "data.phi": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
+  "train.lr": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
+  "train.weight_decay": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
+  "train.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
+  "train.backprop_depth": (lambda v: v >= 0, "must be >= 0 (0: all iterations)"),
+  "analyze.tol": (lambda v: v > 0, "must be > 0"),
+  "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
+  "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
+}
+# Checked only where the field is used: chains runs, sampled depth.
+_CHAINS_BOUNDS = {"data.train_per_hop": _AT_LEAST_1, "data.test_per_hop": _AT_LEAST_0}
+_DEPTH_BOUNDS = {
+  "train.depth.mean": (lambda v: math.isfinite(v) and v > 0, "must be > 0"),
+  "train.depth.sigma": (lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),
+}
 
 
 def _get(c, path):
   for k in path.split("."):
     c = c[k]
   return c
+
+
+def _check(c, table: dict) -> None:
+  for field, (ok, allowed) in table.items():
+    if not ok(_get(c, field)):
+      raise ConfigError(f"{field}: {allowed}; got {_get(c, field)!r}")
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -213,35 +234,21 @@ def validate(c: ml_collections.ConfigDict) -> None:
       raise ConfigError(
         f"{field}: must be one of {', '.join(allowed)}; got {_get(c, field)!r}"
       )
-  d, m, t = c.data, c.model, c.train
+  for field, allowed in NAME_LISTS.items():
+    for name in _get(c, field):
+      if name not in allowed:
+        raise ConfigError(
+          f"{field}: each must be one of {', '.join(allowed)}; got {name!r}"
+        )
+  d, m, t, a = c.data, c.model, c.train, c.analyze
   if not (d.source == "generate" or d.source.startswith("grokked_json:")):
     raise ConfigError(
       f"data.source: must be 'generate' or 'grokked_json:DIR'; got {d.source!r}"
     )
-  _positive(
-    c,
-    "data.num_entities",
-    "data.num_relations",
-    "data.out_degree",
-    "data.probe_size",
-    "data.atomic_repeat",
-    "model.d_model",
-    "model.num_heads",
-    "model.mlp_ratio",
-    "model.scan_unroll",
-    "model.num_layers",
-    "model.num_loops",
-    "train.batch_size",
-    "train.num_steps",
-    "eval.batch_size",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "eval_every",
-    "log_every",
-  )
+  _check(c, _BOUNDS)
   if d.task == "chains":
     _validate_chains(c)
-  elif c.train.curriculum.enabled:
+  elif t.curriculum.enabled:
     raise ConfigError(
       "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
       "got task 'composition'"
@@ -251,23 +258,39 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"data.out_degree: must be <= data.num_relations "
       f"({d.num_relations}); got {d.out_degree}"
     )
-  for f in ("data.ood_ratio", "data.p_test_id"):
-    if not 0.0 <= _get(c, f) <= 1.0:
-      raise ConfigError(f"{f}: must be in [0, 1]; got {_get(c, f)!r}")
-  if not (math.isfinite(d.phi) and d.phi >= 0):
-    raise ConfigError(f"data.phi: must be a finite number >= 0; got {d.phi!r}")
+  _validate_model(m)
+  if t.depth.dist != "fixed":
+    if not 1 <= t.depth.min <= t.depth.max:
+      raise ConfigError(
+        f"train.depth.min: must be >= 1 and <= train.depth.max ({t.depth.max}); "
+        f"got {t.depth.min}"
+      )
+    _check(c, _DEPTH_BOUNDS)
+  if t.backprop_depth > 0 and m.injection == "none":
+    raise ConfigError(
+      "train.backprop_depth: needs model.injection add or concat (else the "
+      "embeddings get no gradient through the core); got injection 'none'"
+    )
+  if a.max_depth < 2 and any(n in MECHANISTIC for n in a.names):
+    raise ConfigError(
+      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)} (they "
+      f"compare successive iterations); got {a.max_depth}"
+    )
+  if a.halting.r_min > a.halting.r_max:
+    raise ConfigError(
+      f"analyze.halting.r_min: must be <= analyze.halting.r_max "
+      f"({a.halting.r_max}); got {a.halting.r_min}"
+    )
+  if any(int(r) < 1 for r in c.eval.depths):
+    raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
+  _validate_mesh(c)
+
+
+def _validate_model(m) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(
       f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
     )
-  for f in (
-    "model.num_prelude",
-    "model.num_coda",
-    "train.warmup_steps",
-    "checkpoint.keep_every",
-  ):
-    if _get(c, f) < 0:
-      raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")
   if m.pos_encoding == "rope" and (m.d_model // m.num_heads) % 2:
     raise ConfigError(
       f"model.num_heads: rope needs an even head dimension (d_model / num_heads); "
@@ -278,76 +301,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"model.init_state: must be 'embedding' when model.injection is "
       f"'none' (else the core never sees the input); got {m.init_state!r}"
     )
-  if not (t.lr > 0 and math.isfinite(t.lr)):
-    raise ConfigError(f"train.lr: must be > 0; got {t.lr!r}")
-  for f in ("train.weight_decay", "train.grad_clip"):
-    if _get(c, f) < 0:
-      raise ConfigError(f"{f}: must be >= 0 (0 disables); got {_get(c, f)!r}")
-  for f in ("train.b1", "train.b2", "train.label_smoothing"):
-    if not 0.0 <= _get(c, f) < 1.0:
-      raise ConfigError(f"{f}: must be in [0, 1); got {_get(c, f)!r}")
-  dd = t.depth
-  if dd.dist != "fixed":
-    if not 1 <= dd.min <= dd.max:
-      raise ConfigError(
-        f"train.depth.min: must be >= 1 and <= train.depth.max ({dd.max}); got {dd.min}"
-      )
-    if not (math.isfinite(dd.mean) and dd.mean > 0):
-      raise ConfigError(f"train.depth.mean: must be > 0; got {dd.mean!r}")
-    if not (math.isfinite(dd.sigma) and dd.sigma >= 0):
-      raise ConfigError(f"train.depth.sigma: must be >= 0; got {dd.sigma!r}")
-  for f in ("seed", "data.seed"):
-    if _get(c, f) < 0:
-      raise ConfigError(f"{f}: must be >= 0; got {_get(c, f)!r}")
-  if t.backprop_depth > 0 and m.injection == "none":
-    raise ConfigError(
-      "train.backprop_depth: needs model.injection add or concat (else the "
-      "embeddings get no gradient through the core); got injection 'none'"
-    )
-  if t.backprop_depth < 0:
-    raise ConfigError(
-      f"train.backprop_depth: must be >= 0 (0: all iterations); got {t.backprop_depth}"
-    )
-  a = c.analyze
-  for name in a.names:
-    if name not in ANALYSES:
-      raise ConfigError(
-        f"analyze.names: each must be one of {', '.join(ANALYSES)}; got {name!r}"
-      )
-  for name in a.halting.criteria:
-    if name not in HALTING_CRITERIA:
-      raise ConfigError(
-        f"analyze.halting.criteria: each must be one of "
-        f"{', '.join(HALTING_CRITERIA)}; got {name!r}"
-      )
-  _positive(
-    c,
-    "analyze.max_depth",
-    "analyze.batch_size",
-    "analyze.halting.r_min",
-    "analyze.halting.r_max",
-  )
-  _validate_mesh(c)
-  if a.max_depth < 2 and any(n in MECHANISTIC for n in a.names):
-    raise ConfigError(
-      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)} (they "
-      f"compare successive iterations); got {a.max_depth}"
-    )
-  if not a.tol > 0:
-    raise ConfigError(f"analyze.tol: must be > 0; got {a.tol!r}")
-  if a.halting.r_min > a.halting.r_max:
-    raise ConfigError(
-      f"analyze.halting.r_min: must be <= analyze.halting.r_max "
-      f"({a.halting.r_max}); got {a.halting.r_min}"
-    )
-  if any(int(r) < 1 for r in c.eval.depths):
-    raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
 
 
 def _validate_mesh(c) -> None:
-  """What can be checked without devices (their count is checked at start)."""
-  if c.mesh.devices < 0:
-    raise ConfigError(f"mesh.devices: must be >= 0 (0 = all); got {c.mesh.devices}")
+  """What can be checked without devices (their count: `sharding.mesh_shape`)."""
   named = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
   sizes = list(named.values())
   if sizes.count(-1) > 1 or any(
@@ -375,50 +332,33 @@ def _validate_chains(c) -> None:
     raise ConfigError(
       f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
     )
-  _positive(c, "data.train_per_hop")
-  if d.test_per_hop < 0:
-    raise ConfigError(f"data.test_per_hop: must be >= 0; got {d.test_per_hop}")
-  if cur.enabled:
-    if not 2 <= cur.start <= d.train_hops:
-      raise ConfigError(
-        f"train.curriculum.start: must be in [2, data.train_hops={d.train_hops}]; "
-        f"got {cur.start}"
-      )
-    if not 0 <= cur.threshold <= 1:
-      raise ConfigError(
-        f"train.curriculum.threshold: must be in [0, 1]; got {cur.threshold!r}"
-      )
-    if not 0 < cur.lr_decay <= 1:
-      raise ConfigError(
-        f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
-      )
-    if d.test_per_hop < 1:
-      raise ConfigError(
-        "data.test_per_hop: must be >= 1 with a curriculum (it advances on "
-        "held-out accuracy); got 0"
-      )
+  _check(c, _CHAINS_BOUNDS)
+  if not cur.enabled:
+    return
+  if not 2 <= cur.start <= d.train_hops:
+    raise ConfigError(
+      f"train.curriculum.start: must be in [2, data.train_hops={d.train_hops}]; "
+      f"got {cur.start}"
+    )
+  if not 0 <= cur.threshold <= 1:
+    raise ConfigError(
+      f"train.curriculum.threshold: must be in [0, 1]; got {cur.threshold!r}"
+    )
+  if not 0 < cur.lr_decay <= 1:
+    raise ConfigError(
+      f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
+    )
+  if d.test_per_hop < 1:
+    raise ConfigError(
+      "data.test_per_hop: must be >= 1 with a curriculum (it advances on "
+      "held-out accuracy); got 0"
+    )
+  if c.eval_every < 1:
+    raise ConfigError(
+      "eval_every: must be >= 1 with a curriculum (it advances at evaluations); "
+      "got 0"
+    )
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:
   return json.dumps(c.to_dict(), indent=2, sort_keys=True, default=list)
-
-
-def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str]:
-  """Fields whose values differ between two config dicts, except RESUMABLE ones.
-
-  A field the old run did not have (added to loopjax since) is no conflict when
-  the new config leaves it at its default: old runs keep resuming.
-  """
-  defaults = base().to_dict() if defaults is None else defaults
-  out = []
-  for k in sorted(set(old) | set(new)):
-    path = f"{prefix}{k}"
-    if any(path == r or path.startswith(r + ".") for r in RESUMABLE):
-      continue
-    a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
-    d = defaults.get(k, "<missing>") if isinstance(defaults, dict) else "<missing>"
-    if isinstance(a, dict) and isinstance(b, dict):
-      out += conflicts(a, b, path + ".", d)
-    elif a != b and not (k not in old and b == d):
-      out.append(f"{path}={a!r} (workdir) vs {b!r} (new)")
-  return out

@@ -9,8 +9,8 @@ the stage's split before seeking in it.
 import jax.numpy as jnp
 
 from loopjax import data
-from loopjax.config import ConfigError
 from loopjax.data import pipeline
+from loopjax.errors import ConfigError
 
 
 def check_task(config, task) -> None:
@@ -52,24 +52,34 @@ def train_iterator(config, task, shard=(0, 1)):
   return pipeline.StagedIterator(make, cur.start) if cur.enabled else make()
 
 
-def advance(run, state, step: int, last: dict):
-  """Moves the curriculum on when the current stage's held-out chains are
-  answered well enough; returns the new state and whether it advanced. `run`
-  holds the config, the StagedIterator (`train_iter`), the optimizer (`tx`)
-  and the phases dict the transition is recorded in."""
-  cur, it = run.config.train.curriculum, run.train_iter
-  if not (
+def stage_names(config) -> tuple[str, ...]:
+  """The phases a curriculum run records: `stage_<k>`, the step stage k began."""
+  cur = config.train.curriculum
+  if not cur.enabled:
+    return ()
+  return tuple(f"stage_{k}" for k in range(cur.start + 1, config.data.train_hops + 1))
+
+
+def next_stage(config, stage: int, metrics: dict) -> int | None:
+  """The stage to move to after an evaluation with `metrics`, or None to stay:
+  the next, once the current stage's held-out chains are answered well enough."""
+  cur = config.train.curriculum
+  if (
     cur.enabled
-    and it.stage < run.config.data.train_hops
-    and last.get(f"eval/test_k{it.stage}/acc", 0.0) >= cur.threshold
+    and stage < config.data.train_hops
+    and metrics.get(f"eval/test_k{stage}/acc", 0.0) >= cur.threshold
   ):
-    return state, False
-  it.set_stage(it.stage + 1)
-  state = state | {"stage": jnp.int32(it.stage)}
-  if cur.reset_optimizer:
-    state["opt_state"] = run.tx.init(state["params"])
-  run.phases[f"stage_{it.stage}"] = step
-  return state, True
+    return stage + 1
+  return None
+
+
+def enter(state, stage: int, tx, config):
+  """The train state for a new stage: its number (which scales the lr in the
+  step) and, with `reset_optimizer`, a fresh optimizer state."""
+  state = state | {"stage": jnp.int32(stage)}
+  if config.train.curriculum.reset_optimizer:
+    state["opt_state"] = tx.init(state["params"])
+  return state
 
 
 def stages_summary(phases: dict, config) -> str:
@@ -77,13 +87,12 @@ def stages_summary(phases: dict, config) -> str:
   cur = config.train.curriculum
   if not cur.enabled:
     return f"off (hops <= {config.data.train_hops} throughout)"
-  stages = range(cur.start + 1, config.data.train_hops + 1)
   return (
     ", ".join(
-      f"k={k} at step {phases[f'stage_{k}']}"
-      if f"stage_{k}" in phases
-      else f"k={k} not reached"
-      for k in stages
+      f"k={name[6:]} at step {phases[name]}"
+      if phases.get(name) is not None
+      else f"k={name[6:]} not reached"
+      for name in stage_names(config)
     )
     or f"one stage (k <= {cur.start})"
   )

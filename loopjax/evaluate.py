@@ -10,19 +10,18 @@ from pathlib import Path
 
 import jax
 import optax
-from flax import nnx
 
 from loopjax import checkpoint, data, sharding
-from loopjax.config import ConfigError
 from loopjax.data import kg, pipeline
-from loopjax.state import cast, train_state
+from loopjax.errors import ConfigError
+from loopjax.state import Model, sharded_train_state
+from loopjax.workdir import Workdir, write_atomic
 
 
-def logits_per_iteration(graphdef, params, dtype: str, batch, num_loops: int, key):
+def logits_per_iteration(model: Model, batch, num_loops: int, key):
   """Answer logits after each iteration 1..num_loops, (R, B, V); `key` draws a
   random initial state (model.init_state random). Traced inside callers' jit."""
-  model = nnx.merge(graphdef, cast(params, dtype))
-  _, logits_RBV = model(
+  _, logits_RBV = model.module()(
     batch["inputs"],
     batch["answer_pos"],
     num_loops=num_loops,
@@ -48,11 +47,7 @@ class Evaluator:
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
     # A multiple of the split (eval_batches pads the last batch).
     self.batch_size = split * math.ceil(min(config.eval.batch_size, longest) / split)
-    key, dtype, R_eval = (
-      jax.random.key(config.seed),
-      config.model.dtype,
-      self.depths[-1],
-    )
+    key, dtype, R_eval = eval_key(config), config.model.dtype, self.depths[-1]
 
     def eval_step(params, batch):
       """Per example and depth: cross-entropy and whether the argmax is right."""
@@ -60,7 +55,8 @@ class Evaluator:
         return _eval_step(params, batch)
 
     def _eval_step(params, batch):
-      logits_RBV = logits_per_iteration(graphdef, params, dtype, batch, R_eval, key)
+      model = Model(graphdef, params, dtype)
+      logits_RBV = logits_per_iteration(model, batch, R_eval, key)
       target_B = batch["target"]
       loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
         logits_RBV, target_B
@@ -122,6 +118,10 @@ class Evaluator:
 
   def run(self, params) -> dict:
     """Flat metrics: `eval/<split>/{acc,loss}` at the train depth, `acc@<d>` else."""
+    return self.run_all(params)[0]
+
+  def run_all(self, params) -> tuple[dict, dict]:
+    """(flat metrics as `run`, results per split and depth as `per_depth`)."""
     results, examples = self.per_depth(params)
     out = {}
     if "test_inferred_ood" in examples:
@@ -130,45 +130,92 @@ class Evaluator:
       out[f"eval/{name}/acc"] = res["acc"][self.R]
       out[f"eval/{name}/loss"] = res["loss"][self.R]
       out |= {f"eval/{name}/acc@{d}": a for d, a in res["acc"].items() if d != self.R}
-    return out
+    return out, results
 
 
-def restore_params(config, workdir: Path, step: int | None = None):
-  """(task data, graphdef, params, step) of a run's checkpoint (default: the
-  newest good one); reads only, never moves a checkpoint."""
-  task = data.load(config.data)
-  graphdef, state, _ = train_state(config, task)
-  mngr = checkpoint.manager(workdir, config.checkpoint)
-  try:
-    state, step = checkpoint.restore(
-      mngr, checkpoint.abstract(state), step=step, quarantine=False
+def eval_key(config):
+  """The key evaluations and analyses draw a random initial state from."""
+  return jax.random.key(config.seed)
+
+
+class Reader:
+  """Restores a run's checkpoints for evaluation, on one device: the state's
+  abstract shapes are built once, nothing is initialized, no checkpoint is
+  moved (a trainer may be writing beside it)."""
+
+  def __init__(self, config, workdir, task):
+    self.config = config
+    mesh = sharding.make_mesh(
+      {"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1]
     )
+    self.graphdef, self.abstract, _, _ = sharded_train_state(
+      config, task, mesh, abstract=True
+    )
+    self.mngr = Workdir(workdir).checkpoints(config.checkpoint, read_only=True)
+
+  def steps(self) -> list[int]:
+    """The complete checkpoints on disk now, oldest first."""
+    self.mngr.reload()
+    return sorted(self.mngr.all_steps())
+
+  def model(self, step: int | None = None) -> tuple[Model, int]:
+    """(the model at `step`, default the newest good one; its step)."""
+    state, step = checkpoint.restore(
+      self.mngr, self.abstract, step=step, quarantine=False
+    )
+    if state is None:
+      raise ConfigError(
+        f"--workdir={self.mngr.directory.parent}: no checkpoint to evaluate"
+      )
+    return Model(self.graphdef, state["params"], self.config.model.dtype), step
+
+  def close(self) -> None:
+    self.mngr.close()
+
+
+def restore_model(config, workdir, step: int | None = None):
+  """(task data, model, step) of a run's checkpoint (default: the newest good
+  one); reads only, never moves a checkpoint."""
+  task = data.load(config.data)
+  reader = Reader(config, workdir, task)
+  try:
+    model, step = reader.model(step)
   finally:
-    mngr.close()
-  if state is None:
-    raise ConfigError(f"--workdir={workdir}: no checkpoint to evaluate")
-  return task, graphdef, state["params"], step
+    reader.close()
+  return task, model, step
+
+
+def results(config, task, per_depth: dict, step: int) -> dict:
+  """What `eval/step_<N>.json` holds: accuracy and loss per split and depth
+  (`Evaluator.per_depth`)."""
+  return {
+    "step": step,
+    "depths": list(config.eval.depths) or [config.model.num_loops],
+    "fingerprint": data.fingerprint(task),
+    "splits": per_depth,
+  }
+
+
+def write_results(workdir: Path, report: dict) -> Path:
+  out = Path(workdir) / "eval" / f"step_{report['step']}.json"
+  out.parent.mkdir(exist_ok=True)
+  write_atomic(out, json.dumps(report, indent=2))
+  return out
 
 
 def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """`--mode=eval`: restores a checkpoint, writes `eval/step_<N>.json`."""
-  workdir = Path(workdir)
-  task, graphdef, params, step = restore_params(config, workdir, step)
-  depths = tuple(config.eval.depths) or (config.model.num_loops,)
-  results, _ = Evaluator(graphdef, config, task, depths).per_depth(params)
-  report = {
-    "step": step,
-    "depths": list(depths),
-    "fingerprint": data.fingerprint(task),
-    "splits": results,
-  }
-  out = workdir / "eval" / f"step_{step}.json"
-  out.parent.mkdir(exist_ok=True)
-  out.write_text(json.dumps(report, indent=2))
-  width = max(map(len, results))
+  task, model, step = restore_model(config, workdir, step)
+  evaluator = Evaluator(model.graphdef, config, task, config.eval.depths)
+  report = results(config, task, evaluator.per_depth(model.params)[0], step)
+  out = write_results(workdir, report)
+  splits = report["splits"]
+  width = max(map(len, splits))
   print(f"accuracy at step {step} by inference depth R:")
-  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in depths))
-  for name, res in results.items():
-    print(f"{name:<{width}}" + "".join(f"{res['acc'][d]:8.3f}" for d in depths))
+  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in report["depths"]))
+  for name, res in splits.items():
+    print(
+      f"{name:<{width}}" + "".join(f"{res['acc'][d]:8.3f}" for d in report["depths"])
+    )
   print(f"wrote {out}")
   return report

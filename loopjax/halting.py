@@ -15,10 +15,10 @@ answer distribution after iteration t, h_t: the state):
   fixed       never: r_max iterations
 """
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-
-from loopjax.config import HALTING_CRITERIA as CRITERIA
 
 
 def adaptive(
@@ -41,10 +41,8 @@ def adaptive(
   so the loop's own cost is paid once per `unroll` iterations; at most
   `unroll - 1` iterations are computed after the last example halts.
   """
-  if criterion not in CRITERIA:
-    raise ValueError(
-      f"criterion: must be one of {', '.join(CRITERIA)}; got {criterion!r}"
-    )
+  settled_fn = CRITERIA[criterion]
+  limits = Limits(eps, tau, patience)
   x_BTD, h_BTD = model.encode(tokens_BT, key)
   logp_BV = jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
   B = tokens_BT.shape[0]
@@ -68,7 +66,7 @@ def adaptive(
     running = t < r_max  # False for an unrolled iteration past r_max
     t = t + running
     streak = jnp.where(logp_new.argmax(-1) == logp.argmax(-1), streak + 1, 0)
-    settled = _settled(criterion, logp_new, logp, h_new, h, streak, eps, tau, patience)
+    settled = settled_fn(Step(logp_new, logp, h_new, h, streak), limits)
     active = ~halted & running
     return (
       t,
@@ -88,22 +86,46 @@ def adaptive(
   return logp_BV, iters_B
 
 
-def _settled(criterion, logp, logp_prev, h, h_prev, streak, eps, tau, patience):
-  """Per example: whether `criterion` says its answer has settled."""
-  p = jnp.exp(logp)
-  kl = lambda a, log_a, log_b: (a * (log_a - log_b)).sum(-1)  # noqa: E731
-  if criterion == "kl_entropy":
-    entropy = -(p * logp).sum(-1)
-    return (kl(p, logp, logp_prev) < eps) & (entropy < tau)
-  if criterion == "kl":
-    return kl(p, logp, logp_prev) < eps
-  if criterion == "kl_reverse":
-    return kl(jnp.exp(logp_prev), logp_prev, logp) < eps
-  if criterion == "entropy":
-    return -(p * logp).sum(-1) < tau
-  if criterion == "latent":
-    change = jnp.linalg.norm((h - h_prev).reshape(h.shape[0], -1), axis=-1)
-    return change < eps * jnp.linalg.norm(h_prev.reshape(h.shape[0], -1), axis=-1)
-  if criterion == "argmax":
-    return streak >= patience
-  return jnp.zeros(logp.shape[0], bool)  # fixed
+class Step(NamedTuple):
+  """What a criterion sees after iteration t, per example."""
+
+  logp: jax.Array  # (B, V) answer log-probabilities after t
+  logp_prev: jax.Array  # after t - 1
+  h: jax.Array  # (B, T, D) the state after t
+  h_prev: jax.Array
+  streak: jax.Array  # (B,) iterations the argmax has not changed
+
+
+class Limits(NamedTuple):
+  eps: float
+  tau: float
+  patience: int
+
+
+def _kl(logp, logq):
+  return (jnp.exp(logp) * (logp - logq)).sum(-1)
+
+
+def _entropy(logp):
+  return -(jnp.exp(logp) * logp).sum(-1)
+
+
+def _latent(s: Step, eps):
+  flat = lambda h: h.reshape(h.shape[0], -1)  # noqa: E731
+  change = jnp.linalg.norm(flat(s.h - s.h_prev), axis=-1)
+  return change < eps * jnp.linalg.norm(flat(s.h_prev), axis=-1)
+
+
+# name -> whether each example's answer has settled (B,); `--mode=analyze` and
+# config validation take their names from here.
+CRITERIA = {
+  "kl_entropy": lambda s, l: (
+    (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau)
+  ),
+  "kl": lambda s, l: _kl(s.logp, s.logp_prev) < l.eps,
+  "kl_reverse": lambda s, l: _kl(s.logp_prev, s.logp) < l.eps,
+  "entropy": lambda s, l: _entropy(s.logp) < l.tau,
+  "latent": lambda s, l: _latent(s, l.eps),
+  "argmax": lambda s, l: s.streak >= l.patience,
+  "fixed": lambda s, l: jnp.zeros(s.logp.shape[0], bool),
+}

@@ -2,9 +2,9 @@
 
   python -m loopjax.main --config=experiments/sysgen.py[:variant] --workdir=DIR \
       [--config.model.num_loops=8 ...] [--mode=train|eval|analyze|report] [--step=N]
+  python -m loopjax.main --mode=eval --follow --workdir=DIR   # beside a trainer
 """
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -13,6 +13,9 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from loopjax import config as config_lib
+from loopjax import xla
+from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file(
@@ -30,6 +33,16 @@ flags.DEFINE_enum(
 flags.DEFINE_integer(
   "step", None, "--mode=eval/analyze: checkpoint step (default: newest)."
 )
+flags.DEFINE_bool(
+  "follow",
+  False,
+  "--mode=eval: evaluate each new checkpoint of the workdir as it appears, "
+  "until the training run has finished (an evaluation job beside a trainer).",
+)
+flags.DEFINE_bool(
+  "analyze", False, "--mode=eval --follow: also run analyze.names on each checkpoint."
+)
+flags.DEFINE_float("poll_s", 5.0, "--follow: seconds between looks for checkpoints.")
 flags.DEFINE_bool(
   "distributed",
   False,
@@ -51,25 +64,26 @@ flags.DEFINE_integer(
 
 def _parse(argv):
   try:
-    return FLAGS(argv)
+    rest = FLAGS(argv)
+    if isinstance(FLAGS.config, config_flags.config_flags._ErrorConfig):
+      FLAGS.config.lock()  # config_flags defers a failed load: raises it now
+    return rest
+  except OSError as e:
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    path = path.split(":", 1)[0]
+    why = "no such file" if not os.path.exists(path) else first_line(e.__cause__ or e)
+    exit_with(f"--config={path}: cannot load the config file ({why})")
   except (flags.Error, ValueError, KeyError, AttributeError) as e:
     lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
-    config_lib.exit_with(
-      lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}"
-    )  # skip traceback
+    exit_with(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
 
 
-def _load_config(workdir: Path):
+def _load_config(wd: Workdir):
   if FLAGS.config is not None:
     return FLAGS.config
-  if FLAGS.mode in ("eval", "analyze") and (workdir / "config.json").exists():
-    # Over base(): fields added to loopjax after the run get their defaults.
-    saved = json.loads((workdir / "config.json").read_text())
-    c = config_lib.base()
-    c.unlock()
-    c.update(saved)  # recursive; JSON lists become the fields' tuples
-    return c
-  config_lib.exit_with(
+  if FLAGS.mode in ("eval", "analyze") and (saved := wd.saved_config()) is not None:
+    return saved
+  exit_with(
     "--config is required (for --mode=eval or analyze, a workdir with config.json "
     "will do)"
   )
@@ -77,9 +91,13 @@ def _load_config(workdir: Path):
 
 def main(argv):
   if len(argv) > 1:
-    config_lib.exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
+    exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
   if not FLAGS.workdir:
-    config_lib.exit_with("--workdir is required")
+    exit_with("--workdir is required")
+  if (FLAGS.follow or FLAGS.analyze) and FLAGS.mode != "eval":
+    exit_with("--follow and --analyze: only with --mode=eval")
+  if FLAGS.follow and FLAGS.step is not None:
+    exit_with("--step: not with --follow (it evaluates every checkpoint)")
   workdir = Path(FLAGS.workdir).expanduser()
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   if FLAGS.mode == "report":  # reads metrics files only: no config needed
@@ -88,17 +106,21 @@ def main(argv):
     try:
       paths = report.report(workdir)
     except FileNotFoundError as e:
-      config_lib.exit_with(str(e))
+      exit_with(str(e))
     print("wrote " + ", ".join(map(str, paths)))
     return
-  config = _load_config(workdir)
+  if FLAGS.follow:  # the workdir may not exist yet: its config comes later
+    config = FLAGS.config
+  else:
+    config = _load_config(Workdir(workdir))
   try:
-    config_lib.validate(config)
-  except config_lib.ConfigError as e:
-    config_lib.exit_with(str(e))
+    if config is not None:
+      config_lib.validate(config)
+  except ConfigError as e:
+    exit_with(str(e))
   import jax  # after validation: a bad config fails fast
 
-  from loopjax import analyze, evaluate, sharding, train
+  from loopjax import analyze, evaluate, follow, sharding, train
 
   try:
     sharding.initialize(
@@ -108,10 +130,10 @@ def main(argv):
       FLAGS.process_id,
       FLAGS.heartbeat_timeout,
     )
-  except config_lib.ConfigError as e:
-    config_lib.exit_with(str(e))
+  except ConfigError as e:
+    exit_with(str(e))
   if FLAGS.mode != "train" and jax.process_count() > 1:
-    config_lib.exit_with(
+    exit_with(
       f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
     )
   try:
@@ -121,17 +143,19 @@ def main(argv):
         f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "
         f"--mode=report; TensorBoard: tensorboard --logdir {workdir / 'tb'}"
       )
+    elif FLAGS.follow:
+      follow.follow(workdir, config, poll_s=FLAGS.poll_s, analyses=FLAGS.analyze)
     elif FLAGS.mode == "eval":
-      train.check_workdir(config, workdir)
+      Workdir(workdir).check(config)
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
     else:
-      train.check_workdir(config, workdir)
+      Workdir(workdir).check(config)
       paths = analyze.analyze(config, workdir, FLAGS.step)
       print("wrote " + ", ".join(map(str, paths)))
-  except config_lib.ConfigError as e:
-    config_lib.exit_with(str(e))
+  except ConfigError as e:
+    exit_with(str(e))
   except train.RunStopped as e:
-    config_lib.exit_with(str(e), code=1)
+    exit_with(str(e), code=1)
   except jax.errors.JaxRuntimeError as e:
     if jax.process_count() == 1:
       raise
@@ -139,7 +163,7 @@ def main(argv):
     # barrier would wait out the heartbeat timeout and then abort.
     print(
       f"error: process {jax.process_index()}: a cross-process operation failed "
-      f"({config_lib.first_line(e)}); a peer process has probably died. Saved "
+      f"({first_line(e)}); a peer process has probably died. Saved "
       "checkpoints are intact: rerun the same command on all hosts to resume",
       file=sys.stderr,
       flush=True,
@@ -149,4 +173,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  xla.apply_defaults()
   app.run(main, flags_parser=_parse)

@@ -1,11 +1,14 @@
-"""Metric sinks: `metrics.jsonl` (one JSON object per line) and TensorBoard."""
+"""Metric sinks (a JSONL file, one object per line, and TensorBoard) and the
+training run's progress display."""
 
 import json
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 
 class Writer:
@@ -16,13 +19,14 @@ class Writer:
   over the segments of a resumed run (`wall_times`).
   """
 
-  def __init__(self, workdir: Path):
+  def __init__(self, jsonl: Path, tb_dir: Path):
     self.enabled = jax.process_index() == 0
     if self.enabled:
       from tensorboardX import SummaryWriter  # heavy import, process 0 only
 
-      self._jsonl = open(workdir / "metrics.jsonl", "a")
-      self._tb = SummaryWriter(str(workdir / "tb"))
+      jsonl.parent.mkdir(parents=True, exist_ok=True)
+      self._jsonl = open(jsonl, "a")
+      self._tb = SummaryWriter(str(tb_dir))
 
   def start(self, step: int) -> None:
     if self.enabled:
@@ -47,8 +51,13 @@ class Writer:
 
 
 def read_jsonl(path) -> list[dict]:
+  """The records of a JSONL file; a last line cut short (a writer killed
+  mid-line) is left out."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = [line for line in f if line.strip()]
+  if lines and not lines[-1].endswith("\n"):
+    lines.pop()
+  return [json.loads(line) for line in lines]
 
 
 def wall_times(records: list[dict]) -> dict[int, float]:
@@ -70,3 +79,68 @@ def wall_times(records: list[dict]) -> dict[int, float]:
       last = r["time"]
       out[r["step"]] = done + last - seg_start
   return out
+
+
+class Progress:
+  """A training run's progress on stderr, from process 0: a tqdm bar on a
+  terminal; elsewhere (SLURM, TPU VMs, nohup) a plain line every `every_s`
+  seconds, so a log file grows by lines, not by carriage-return updates."""
+
+  def __init__(self, total: int, initial: int, every_s: float = 30.0, stream=None):
+    self.total, self.every_s = total, every_s
+    self.stream = sys.stderr if stream is None else stream
+    self.enabled = jax.process_index() == 0
+    self.bar = None
+    if self.enabled and self.stream.isatty():
+      self.bar = tqdm(
+        total=total,
+        initial=initial,
+        desc="train",
+        unit="step",
+        dynamic_ncols=True,
+        file=self.stream,
+      )
+    now = time.perf_counter()
+    self._rate_at, self._line_at = (now, initial), (now, initial)
+
+  def rate(self, step: int) -> dict:
+    """Steps per second since the previous call: the logged `train/steps_per_s`."""
+    now, (t, s) = time.perf_counter(), self._rate_at
+    self._rate_at = (now, step)
+    return {"train/steps_per_s": (step - s) / (now - t)}
+
+  def update(self, step: int, last: dict) -> None:
+    """After each step; `last`: the newest metrics."""
+    if self.bar is not None:
+      self.bar.update(1)
+      self.bar.set_postfix(_postfix(last), refresh=False)
+      return
+    now, (t, s) = time.perf_counter(), self._line_at
+    if self.enabled and (now - t >= self.every_s or step == self.total):
+      self._line_at = (now, step)
+      shown = " ".join(f"{k}={v}" for k, v in _postfix(last).items())
+      print(
+        f"train: step {step}/{self.total} ({100 * step / self.total:.0f}%), "
+        f"{(step - s) / (now - t):.1f} steps/s, {shown}",
+        file=self.stream,
+        flush=True,
+      )
+
+  def write(self, message: str) -> None:
+    """A line on stdout (events: a phase reached), above the bar if there is one."""
+    if self.bar is not None:
+      self.bar.write(message)
+    elif self.enabled:
+      print(message, flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+
+
+def _postfix(last: dict) -> dict:
+  short = {"loss": last.get("train/loss")}
+  for k, v in last.items():
+    if k.startswith("eval/") and k.endswith("/acc"):
+      short[k[5:-4]] = v
+  return {k: f"{v:.3f}" for k, v in short.items() if v is not None}

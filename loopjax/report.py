@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from loopjax.analysis import ablations, grokking  # noqa: E402
 from loopjax.data.kg import hop_count  # noqa: E402
 from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
+from loopjax.workdir import Workdir  # noqa: E402
 
 SPLITS = (
   "train_inferred",
@@ -66,7 +67,7 @@ def plot_run(workdir: Path) -> Path:
   fig, ax = plt.subplots(figsize=(7, 4))
   for split, (steps, acc) in curves(workdir).items():
     ax.plot(steps, acc, label=split)
-  for phase, step in grokking.load(workdir).items():
+  for phase, step in Workdir(workdir).reached().items():
     ax.axvline(step, color="gray", ls=":", lw=1)
     ax.text(step, 1.02, phase, rotation=90, va="bottom", ha="center", fontsize=7)
   _style(ax, workdir.name)
@@ -104,7 +105,7 @@ def results_row(workdir: Path) -> dict:
   walls = wall_times(records)
   rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
   evals = _evals(records)
-  phases = grokking.load(workdir)
+  phases = Workdir(workdir).reached()
   final = FINAL if evals and "eval/train_inferred/acc" in evals[-1] else None
   if final is None and evals:
     final = tuple(f"{s}/acc" for s in splits(evals))

@@ -12,20 +12,19 @@ Shardings are jax's own (`jax.jit` in/out shardings, `NamedSharding`,
 """
 
 import contextlib
-import contextvars
 import math
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import optax
 from flax import nnx
+from flax.core import spmd
 from jax.sharding import NamedSharding, PartitionSpec
 
-from loopjax.config import ConfigError
+from loopjax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
-
-_active = contextvars.ContextVar("loopjax_mesh_and_rules", default=None)
 
 
 def initialize(
@@ -63,11 +62,10 @@ def initialize(
 
 
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, ...]:
-  """(data, fsdp, tensor) sizes; one of them may be -1 (the rest)."""
+  """(data, fsdp, tensor) sizes for `num_devices`; a -1 (config.validate allows
+  one) is the rest."""
   sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
   named = ", ".join(f"{a}={s}" for a, s in zip(MESH_AXES, sizes, strict=True))
-  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
-    raise ConfigError(f"mesh: sizes must be >= 1, at most one -1; got {named}")
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes and num_devices % known == 0:
     sizes[sizes.index(-1)] = num_devices // known
@@ -197,25 +195,27 @@ def global_batch(batch: dict, sharding: NamedSharding, batch_size: int) -> dict:
 
 @contextlib.contextmanager
 def active(mesh, rules):
-  """Within (while a step is traced): `constrain` shards by `mesh` and `rules`.
-  Used inside the jitted functions themselves, so a compiled step never
-  depends on where it is called from; mesh None: constrain does nothing."""
-  token = _active.set(None if mesh is None else (mesh, tuple(rules)))
-  try:
+  """Within (while a step is traced): `constrain` shards by `mesh` and `rules`,
+  through JAX's mesh context and flax's logical-axis rules. Entered inside the
+  jitted functions themselves, so a compiled step never depends on where it is
+  called from; mesh None: nothing is constrained."""
+  if mesh is None:
     yield
-  finally:
-    _active.reset(token)
+    return
+  with (
+    jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+    nnx.logical_axis_rules(tuple(rules)),
+  ):
+    yield
 
 
 def constrain(x, logical):
-  """`x` constrained to the sharding its logical axes get under the active
-  mesh and rules; unchanged when none is active."""
-  if (current := _active.get()) is None:
+  """`x` constrained to the sharding its logical axes get under the current mesh
+  and logical-axis rules; unchanged without both."""
+  mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
+  if mesh.empty or not rules:
     return x
-  mesh, rules = current
-  return jax.lax.with_sharding_constraint(
-    x, NamedSharding(mesh, spec(logical, rules, x.shape, mesh))
-  )
+  return jax.lax.with_sharding_constraint(x, spec(logical, rules, x.shape, mesh))
 
 
 def replicated(mesh) -> NamedSharding:
@@ -232,15 +232,23 @@ def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
   )
 
 
-def run_mesh(config):
-  """(mesh, rules, this process's rows: `process_rows`) for this run;
-  the batch must split evenly over the mesh axes examples are split over, in
-  blocks of whole processes."""
-  mesh, rules = make_mesh(config.mesh), config.sharding.rules
+class Placement(NamedTuple):
+  """Where a run computes: its mesh, the logical-axis rules, and the block of
+  each global batch this process feeds (`process_rows`)."""
+
+  mesh: jax.sharding.Mesh
+  rules: tuple
+  rows: tuple[int, int]
+
+
+def run_mesh(config) -> Placement:
+  """This run's placement; the batch must split evenly over the mesh axes
+  examples are split over, in blocks of whole processes."""
+  mesh, rules = make_mesh(config.mesh), tuple(config.sharding.rules)
   n, B = batch_split(mesh, rules), config.train.batch_size
   if B % n:
     raise ConfigError(
       f"train.batch_size: must be divisible by the {n} devices a batch is "
       f"split over (mesh axes of the rule for 'batch'); got {B}"
     )
-  return mesh, rules, process_rows(mesh, rules, B)
+  return Placement(mesh, rules, process_rows(mesh, rules, B))

@@ -1,5 +1,8 @@
 """Model, optimizer and train-state construction, shared by training and eval."""
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -108,14 +111,17 @@ def cast(params, dtype: str):
   )
 
 
-def answer_xent(logits_NV, target_N, label_smoothing: float):
-  """Per-example cross-entropy on the answer token; any leading shape N."""
-  V = logits_NV.shape[-1]
-  labels_NV = optax.smooth_labels(jax.nn.one_hot(target_N, V), label_smoothing)
-  return optax.softmax_cross_entropy(logits_NV, labels_NV)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A model as evaluation, analyses and halting take it: the static graph, the
+  float32 params and the compute dtype. A pytree whose leaves are the params,
+  so jitted functions take it as an argument; `module()` (inside them) merges
+  it into the nnx module."""
 
+  graphdef: Any = dataclasses.field(metadata=dict(static=True))
+  params: Any
+  dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
-def answer_loss(logits_BV, target_B, label_smoothing: float):
-  """Mean cross-entropy on the answer token (with label smoothing), accuracy."""
-  loss_B = answer_xent(logits_BV, target_B, label_smoothing)
-  return loss_B.mean(), (logits_BV.argmax(-1) == target_B).mean()
+  def module(self):
+    return nnx.merge(self.graphdef, cast(self.params, self.dtype))

@@ -1,118 +1,66 @@
 """Training: a pure, jitted train step over NNX state, and the loop around it.
 
-The state is a plain pytree `{"params", "opt_state", "step", "rng"}`; the model's
-graph definition is static. `train_step` is compiled once and donates its input
-state; the loop dispatches step N before it reads step N-1's metrics, so the host
-never waits on the device just to log.
+The state is a plain pytree `{"params", "opt_state", "step", "rng"}` (plus
+`"stage"` for a curriculum); the model's graph definition is static.
+`train_step` is compiled once and donates its input state; the loop dispatches
+step N before it reads step N-1's metrics, so the host never waits on the
+device just to log. The run directory's records and rules are workdir.py's;
+the loop applies what phase detection and the curriculum decide.
 """
 
-import contextlib
-import dataclasses
-import fcntl
-import json
 import math
-import os
 import signal
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 from jax.experimental import multihost_utils
-from tqdm import tqdm
 
 from loopjax import (
   checkpoint,
   curriculum,
-  data,
   evaluate,
+  loss,
   metrics,
   recurrence,
   sharding,
 )
+from loopjax import data as data_lib
 from loopjax.analysis import grokking
-from loopjax.config import ConfigError, conflicts, first_line, to_json
-from loopjax.state import answer_loss, answer_xent, cast, sharded_train_state
+from loopjax.errors import ConfigError, first_line
+from loopjax.state import Model, sharded_train_state
+from loopjax.workdir import Workdir
 
 
-def supervised(mode: str, R: int, hops_B, depth=None):
-  """Which iterations' answers get a loss: bool (R, B), True where supervised;
-  with a sampled `depth` (traced), iterations past it never are and the last
-  is `depth`.
-
-  "last": the answer after the final iteration only (the papers).
-  "atomic_every": atomic facts (1 hop) after every iteration, the rest after
-  the last: a fact must be retrievable at whatever iteration a composition
-  needs it, not only at R (without it, OOD facts, never used as a first hop in
-  training, resolve iterations later than ID ones; README, Results).
-  "from_hops": every iteration from the example's hop count on (and the last).
-  """
-  t_R1, hops_1B = jnp.arange(1, R + 1)[:, None], hops_B[None]
-  last = R if depth is None else depth
-  if mode == "last":
-    on_RB = jnp.broadcast_to(t_R1 == last, (R, hops_B.shape[0]))
-  elif mode == "atomic_every":
-    on_RB = (t_R1 == last) | (hops_1B == 1)
-  else:
-    on_RB = (t_R1 >= hops_1B) | (t_R1 == last)
-  return on_RB & (t_R1 <= last)
-
-
-def make_train_step(
-  graphdef, tx, model_cfg, train_cfg, mesh=None, shardings=None, rules=()
-):
-  """The jitted step; `train_cfg.supervise` picks the supervised iterations.
-  With a mesh: in/out shardings of the state (`shardings`) and the batch (split
-  over the `batch` rule), metrics replicated, the recurrent state constrained."""
-  label_smoothing = train_cfg.label_smoothing
-  R, dd = model_cfg.num_loops, train_cfg.depth
-  grad_depth = train_cfg.backprop_depth
-  cur = train_cfg.curriculum
+def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
+  """The jitted step (state, batch) -> (state, metrics). With a mesh: the
+  state's `shardings`, batches split over the `batch` rule, metrics replicated,
+  the recurrent state constrained in every iteration."""
+  m, t = config.model, config.train
+  rules, dd = tuple(config.sharding.rules), t.depth
 
   def train_step(state, batch):
     with sharding.active(mesh, rules):
-      return _step(state, batch)
+      key = jax.random.fold_in(state["rng"], state["step"])
+      if dd.dist == "fixed":
+        depth, loops = None, m.num_loops
+      else:  # scan to dd.max, mask past the sampled depth: one compiled program
+        depth = recurrence.sample_depth(
+          jax.random.fold_in(key, 1), dd.dist, dd.mean, dd.min, dd.max, dd.sigma
+        )
+        loops = dd.max
 
-  def _step(state, batch):
-    key = jax.random.fold_in(state["rng"], state["step"])
-    if dd.dist == "fixed":
-      depth, loops = None, R
-    else:  # scan to dd.max, mask past the sampled depth: one compiled program
-      depth = recurrence.sample_depth(
-        jax.random.fold_in(key, 1), dd.dist, dd.mean, dd.min, dd.max, dd.sigma
-      )
-      loops = dd.max
+      def objective(params):
+        model = Model(graphdef, params, m.dtype).module()
+        return loss.loss_fn(model, batch, t, key=key, num_loops=loops, depth=depth)
 
-    def run(params, **kw):
-      model = nnx.merge(graphdef, cast(params, model_cfg.dtype))
-      return model(
-        batch["inputs"],
-        batch["answer_pos"],
-        key=key,
-        num_loops=loops,
-        depth=depth,
-        grad_depth=grad_depth,
-        **kw,
-      )
-
-    def loss_fn(params):
-      if train_cfg.supervise == "last":
-        logits_BV = run(params)
-        return answer_loss(logits_BV, batch["target"], label_smoothing)
-      logits_BV, logits_RBV = run(params, per_iteration=True)
-      # The answer sits after h r1..rk at position k: k hops.
-      on_RB = supervised(train_cfg.supervise, loops, batch["answer_pos"], depth)
-      loss_RB = answer_xent(logits_RBV, batch["target"][None], label_smoothing)
-      loss = (loss_RB * on_RB).sum() / on_RB.sum()
-      return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
-
-    (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+      (value, acc), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     extra = {}
-    if cur.enabled:  # the lr times lr_decay per stage passed
-      scale = jnp.float32(cur.lr_decay) ** (state["stage"] - cur.start)
+    if t.curriculum.enabled:  # the lr times lr_decay per stage passed
+      scale = jnp.float32(t.curriculum.lr_decay) ** (
+        state["stage"] - t.curriculum.start
+      )
       updates = jax.tree.map(lambda u: u * scale, updates)
       extra["train/stage"] = state["stage"]
     if depth is not None:
@@ -123,82 +71,18 @@ def make_train_step(
       "step": state["step"] + 1,
     }
     return new_state, {
-      "train/loss": loss,
+      "train/loss": value,
       "train/acc": acc,
       "train/grad_norm": optax.tree.norm(grads),
     } | extra
 
-  if mesh is None:
-    return jax.jit(train_step, donate_argnums=0)
-  return jax.jit(
-    train_step,
-    donate_argnums=0,
-    in_shardings=(shardings, sharding.batch_sharding(mesh, rules)),
-    out_shardings=(shardings, sharding.replicated(mesh)),
-  )
-
-
-def check_workdir(config, workdir: Path) -> None:
-  """Raises ConfigError if the workdir holds a run with a conflicting config."""
-  saved = workdir / "config.json"
-  if saved.exists():
-    diff = conflicts(json.loads(saved.read_text()), json.loads(to_json(config)))
-    if diff:
-      raise ConfigError(
-        f"--workdir={workdir} holds a run with another config: "
-        f"{'; '.join(diff)}. Use a new --workdir."
-      )
-  elif (workdir / "checkpoints").exists() and any((workdir / "checkpoints").iterdir()):
-    raise ConfigError(
-      f"--workdir={workdir} has checkpoints but no config.json; "
-      "refusing to touch it. Use a new --workdir."
+  placed = {}
+  if mesh is not None:
+    placed = dict(
+      in_shardings=(shardings, sharding.batch_sharding(mesh, rules)),
+      out_shardings=(shardings, sharding.replicated(mesh)),
     )
-
-
-def _check_writable(workdir: Path) -> None:
-  """Fails now, not at the first checkpoint, if the workdir cannot be written."""
-  probe = workdir / f".write-probe-{jax.process_index()}"
-  try:
-    workdir.mkdir(parents=True, exist_ok=True)
-    probe.write_bytes(b"")
-    probe.unlink()
-  except OSError as e:
-    raise ConfigError(
-      f"--workdir={workdir}: cannot write there ({e.strerror or e})"
-    ) from e
-
-
-def record_run(config, workdir: Path, task) -> None:
-  """Writes config.json and dataset.json; refuses data that changed under a run."""
-  sizes = {k: len(v["target"]) for k, v in task.splits.items()}
-  dataset = {
-    "fingerprint": data.fingerprint(task),
-    "sizes": sizes,
-    "vocab_size": task.vocab.vocab_size,
-  }
-  saved = workdir / "dataset.json"
-  if (
-    saved.exists()
-    and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
-  ):
-    raise ConfigError(
-      f"--workdir={workdir} was trained on other data (fingerprint "
-      f"in {saved} differs); use a new --workdir"
-    )
-  print(
-    f"data: fingerprint {dataset['fingerprint'][:16]}, "
-    + ", ".join(f"{k}={n}" for k, n in sizes.items())
-  )
-  if jax.process_index() == 0:  # whole files: other hosts may be reading them
-    workdir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(workdir / "config.json", to_json(config))
-    _write_atomic(saved, json.dumps(dataset, indent=2))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-  tmp = path.with_name(f".{path.name}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
+  return jax.jit(train_step, donate_argnums=0, **placed)
 
 
 class RunStopped(RuntimeError):
@@ -236,55 +120,36 @@ class _Preemption:
     return self.signal is not None
 
 
+def phase_names(config) -> tuple[str, ...]:
+  """What a run records in phases.json: grokking phases or curriculum stages."""
+  if config.data.task == "composition":
+    return tuple(grokking.PHASES)
+  return curriculum.stage_names(config)
+
+
 def train_and_evaluate(config, workdir) -> dict:
   """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
-  workdir = Path(workdir)
-  check_workdir(config, workdir)
-  task = data.load(config.data)  # bad data settings fail before the workdir exists
+  wd = Workdir(workdir)
+  wd.check(config)
+  task = data_lib.load(config.data)  # bad data settings fail before the workdir exists
   curriculum.check_task(config, task)
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
-  _check_writable(workdir)
-  with _exclusive(workdir):
-    return _train(config, workdir, task, placement)
+  wd.check_writable()
+  with wd.exclusive():
+    wd.record(config, task, phase_names(config))
+    return _train(config, wd, task, placement)
 
 
-@contextlib.contextmanager
-def _exclusive(workdir: Path):
-  """One trainer per workdir: a second would interleave checkpoints and logs.
-  The OS drops the lock when the process ends, however it ends."""
-  with open(workdir / f".train-{jax.process_index()}.lock", "a+") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      f.seek(0)
-      raise ConfigError(
-        f"--workdir={workdir}: another process (pid {f.read().strip() or '?'}) "
-        "is training there; wait for it to end or use a new --workdir"
-      ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    yield
-
-
-def _train(config, workdir: Path, task, placement) -> dict:
-  """`placement`: sharding.run_mesh's (mesh, rules, rows), computed before the lock."""
-  record_run(config, workdir, task)
+def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   mesh, rules, rows = placement
-  batch_sharding = sharding.batch_sharding(mesh, rules)
   graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
-  train_step = make_train_step(
-    graphdef, tx, config.model, config.train, mesh, shardings, rules
-  )
+  train_step = make_train_step(config, graphdef, tx, mesh, shardings)
+  batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
   evaluator = evaluate.Evaluator(
     graphdef, config, task, mesh=mesh, param_shardings=shardings["params"]
   )
-  B = config.train.batch_size
   train_iter = curriculum.train_iterator(config, task, rows)
-
-  phases = grokking.load(workdir)  # the loop adds each phase's step: kept forever
-  mngr = checkpoint.manager(workdir, config.checkpoint, pinned=phases)
+  mngr = wd.checkpoints(config.checkpoint)
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
     state = restored
@@ -293,32 +158,28 @@ def _train(config, workdir: Path, task, placement) -> dict:
         f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
         f"but {train_iter.stage} in the data iterator"
       )
-    print(f"resumed from {workdir / 'checkpoints'} at step {start}")
+    print(f"resumed from {wd.checkpoint_dir} at step {start}")
   start = start or 0
   if start >= config.train.num_steps:
     print(f"already trained to step {start}; nothing to do")
     mngr.close()
     return {}
-  writer = metrics.Writer(workdir)
+  writer = metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb")
+  loop = _Loop(
+    config,
+    wd,
+    lambda s, b: train_step(s, sharding.global_batch(b, batch_sharding, B)),
+    tx,
+    train_iter,
+    evaluator,
+    mngr,
+    writer,
+  )
   failure = None
   try:
     writer.start(start)
     with _Preemption() as preempt:
-      run = _Run(
-        config,
-        workdir,
-        lambda state, batch: train_step(
-          state, sharding.global_batch(batch, batch_sharding, B)
-        ),
-        tx,
-        train_iter,
-        evaluator,
-        mngr,
-        writer,
-        preempt,
-        phases,
-      )
-      step, last = _loop(run, state, start)
+      step, last = loop.run(state, start, preempt)
   except (FloatingPointError, OSError) as e:
     failure = e
   finally:  # an error mid-run still completes pending saves and flushes logs
@@ -334,97 +195,88 @@ def _train(config, workdir: Path, task, placement) -> dict:
     raise RunStopped(
       f"{first_line(failure)}; the run stopped. "
       + (
-        f"Checkpoints are intact, newest: step {newest} in {workdir / 'checkpoints'}"
+        f"Checkpoints are intact, newest: step {newest} in {wd.checkpoint_dir}"
         if newest is not None
         else "No checkpoint was saved."
       )
     ) from failure
   print(
-    f"phases: {grokking.summary(phases)}"
+    f"phases: {grokking.summary(wd.phases)}"
     if config.data.task == "composition"
-    else f"curriculum: {curriculum.stages_summary(phases, config)}"
+    else f"curriculum: {curriculum.stages_summary(wd.phases, config)}"
   )
   if preempt.signal is not None:
     print(
-      f"{preempt.signal}: saved step {step} to {workdir / 'checkpoints'}; "
+      f"{preempt.signal}: saved step {step} to {wd.checkpoint_dir}; "
       "rerun the same command to resume"
     )
   return last
 
 
-@dataclasses.dataclass
-class _Run:
-  """What the loop works with, besides the state it steps."""
-
-  config: object
-  workdir: Path
-  train_step: object
-  tx: object  # the optimizer, for a fresh state per curriculum stage
-  train_iter: object
-  evaluator: evaluate.Evaluator
-  mngr: object
-  writer: metrics.Writer
-  preempt: _Preemption
-  phases: dict  # phase -> step; its steps' checkpoints are kept (see checkpoint.py)
-
-
-def _loop(run: _Run, state, start: int):
+class _Loop:
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
-  config, mngr, writer, phases = run.config, run.mngr, run.writer, run.phases
-  train_iter, preempt = run.train_iter, run.preempt
-  num_steps = config.train.num_steps
-  with tqdm(
-    total=num_steps,
-    initial=start,
-    desc="train",
-    unit="step",
-    disable=jax.process_index() != 0,
-    dynamic_ncols=True,
-  ) as bar:
+
+  def __init__(self, config, wd, train_step, tx, train_iter, evaluator, mngr, writer):
+    self.config, self.wd, self.train_step, self.tx = config, wd, train_step, tx
+    self.train_iter, self.evaluator = train_iter, evaluator
+    self.mngr, self.writer = mngr, writer
+
+  def run(self, state, start: int, preempt):
+    config = self.config
+    num_steps, eval_every = config.train.num_steps, config.eval_every
+    progress = metrics.Progress(num_steps, start)
     last, pending, step, saved = {}, None, start, start
-    t_log, step_log = time.perf_counter(), start
-    while step < num_steps and not preempt.requested(step):
-      state, step_metrics = run.train_step(state, next(train_iter))
-      step += 1
-      if pending is not None:  # step - 1's numbers: ready by now, no stall
-        last |= _check_finite(*pending)
-      pending = (step, step_metrics)
-      done, new = step == num_steps, []
-      if step % config.log_every == 0 or done:
-        last |= _check_finite(*pending)
-        pending = None
-        rate = (step - step_log) / (time.perf_counter() - t_log)
-        t_log, step_log = time.perf_counter(), step
-        writer.write(
-          step, {k: last[k] for k in step_metrics} | {"train/steps_per_s": rate}
-        )
-      if step % config.eval_every == 0 or done:
-        ev = run.evaluator.run(state["params"])  # replaces every older eval value:
-        last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
-        writer.write(step, ev)  # a metric this eval lacks must not be logged stale
-        new = grokking.newly_reached(last, config.phases, phases)
-        phases.update(dict.fromkeys(new, step))
-        # On the cadence only: where a run stops must not change its course.
-        advanced = False
-        if step % config.eval_every == 0:
-          state, advanced = curriculum.advance(run, state, step, last)
-        if advanced:
-          new.append(f"curriculum stage {run.train_iter.stage}")
-        if new:
-          if jax.process_index() == 0:
-            grokking.save(run.workdir, phases)
-          bar.write(f"step {step}: reached {', '.join(new)}")
-      if step % config.checkpoint.every == 0 or done or new:
-        if pending is not None:  # never save past a step whose numbers are bad
+    try:
+      while step < num_steps and not preempt.requested(step):
+        state, step_metrics = self.train_step(state, next(self.train_iter))
+        step += 1
+        if pending is not None:  # step - 1's numbers: ready by now, no stall
+          last |= _check_finite(*pending)
+        pending = (step, step_metrics)
+        done, reached = step == num_steps, []
+        if step % config.log_every == 0 or done:
           last |= _check_finite(*pending)
           pending = None
-        checkpoint.save(mngr, step, state, train_iter)
-        saved = step
-      bar.update(1)
-      bar.set_postfix(_postfix(last), refresh=False)
-    if preempt.signal is not None and saved != step:
-      checkpoint.save(mngr, step, state, train_iter)
+          self.writer.write(
+            step, {k: last[k] for k in step_metrics} | progress.rate(step)
+          )
+        if eval_every and (step % eval_every == 0 or done):
+          state, last, reached = self._evaluate(state, step, last)
+          if reached:
+            progress.write(f"step {step}: reached {', '.join(reached)}")
+        if step % config.checkpoint.every == 0 or done or reached:
+          if pending is not None:  # never save past a step whose numbers are bad
+            last |= _check_finite(*pending)
+            pending = None
+          checkpoint.save(self.mngr, step, state, self.train_iter)
+          saved = step
+        progress.update(step, last)
+      if preempt.signal is not None and saved != step:
+        checkpoint.save(self.mngr, step, state, self.train_iter)
+    finally:
+      progress.close()
     return step, last
+
+  def _evaluate(self, state, step: int, last: dict):
+    """Evaluates, then applies what phase detection and the curriculum decide:
+    (state, metrics, names of the phases reached at this step)."""
+    config = self.config
+    ev = self.evaluator.run(state["params"])  # replaces every older eval value:
+    last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
+    self.writer.write(step, ev)  # a metric this eval lacks must not be logged stale
+    reached = []
+    if config.data.task == "composition":
+      reached = grokking.newly_reached(last, config.phases, self.wd.phases)
+    # On the cadence only: where a run stops must not change its course.
+    stage = self.train_iter.stage if config.train.curriculum.enabled else None
+    if step % config.eval_every == 0 and stage is not None:
+      if (k := curriculum.next_stage(config, stage, last)) is not None:
+        self.train_iter.set_stage(k)
+        state = curriculum.enter(state, k, self.tx, config)
+        reached.append(f"stage_{k}")
+    if reached:
+      self.wd.reach(reached, step)
+    return state, last, reached
 
 
 def _check_finite(step: int, step_metrics) -> dict:
@@ -435,11 +287,3 @@ def _check_finite(step: int, step_metrics) -> dict:
       f"step {step}: " + ", ".join(f"{k} is {v}" for k, v in bad.items())
     )
   return out
-
-
-def _postfix(last: dict) -> dict:
-  short = {"loss": last.get("train/loss")}
-  for k, v in last.items():
-    if k.startswith("eval/") and k.endswith("/acc"):
-      short[k[5:-4]] = v
-  return {k: f"{v:.3f}" for k, v in short.items() if v is not None}

@@ -6,6 +6,10 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+from loopjax import xla  # noqa: E402
+
+xla.apply_defaults()  # as the entry points do: in-process runs match the CLI's
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

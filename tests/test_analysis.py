@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from loopjax.analysis import activations, attention, fixed_points, logit_lens
+from loopjax.analysis import (
+  MECHANISTIC,
+  activations,
+  attention,
+  fixed_points,
+  logit_lens,
+)
 from loopjax.model import LoopedTransformer
 
 PAD = 9
@@ -191,7 +197,7 @@ def test_analyze_and_the_ablation_table(grokking_run):
 
   config, workdir = grokking_run
   config = config.copy_and_resolve_references()
-  config.analyze.names = ("overthinking", *analyze.MECHANISTIC)
+  config.analyze.names = ("overthinking", *MECHANISTIC)
   paths = {p.name for p in analyze.analyze(config, workdir)}
   for name in config.analyze.names:
     assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths

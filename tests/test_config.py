@@ -1,5 +1,6 @@
 """Config validation: bad values fail before anything compiles, in one line."""
 
+import re
 import subprocess
 import sys
 
@@ -7,6 +8,7 @@ import pytest
 
 from experiments import extrapolation, halting, sysgen
 from loopjax import config as config_lib
+from loopjax import workdir
 
 BAD = [
   ("model.num_loops", 0, "model.num_loops: must be >= 1"),
@@ -108,9 +110,9 @@ def test_conflicts_ignore_resumable_fields():
   old = sysgen.get_config("cpu").to_dict()
   new = sysgen.get_config("cpu")
   new.train.num_steps, new.eval_every, new.checkpoint.keep = 10**6, 7, 9
-  assert config_lib.conflicts(old, new.to_dict()) == []
+  assert workdir.conflicts(old, new.to_dict()) == []
   new.model.d_model = 128
-  assert config_lib.conflicts(old, new.to_dict()) == [
+  assert workdir.conflicts(old, new.to_dict()) == [
     "model.d_model=64 (workdir) vs 128 (new)"
   ]
 
@@ -118,7 +120,7 @@ def test_conflicts_ignore_resumable_fields():
 @pytest.mark.parametrize(
   "override,message",
   [
-    ("--config.model.num_loops=0", "error: model.num_loops: must be >= 1, got 0"),
+    ("--config.model.num_loops=0", "error: model.num_loops: must be >= 1; got 0"),
     ("--config.model.num_loops=abc", "error: "),
     ("--config.model.no_such_field=1", "error: "),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
@@ -144,18 +146,30 @@ def test_cli_exits_2_with_one_line(tmp_path, override, message):
   assert not (tmp_path / "run").exists()  # nothing was created
 
 
-def test_cli_unknown_variant(tmp_path):
+@pytest.mark.parametrize(
+  "config,message",
+  [
+    ("experiments/sysgen.py:huge", "error: .*variant"),
+    (  # a typo in the most common flag
+      "experiments/does_not_exist.py",
+      r"error: --config=experiments/does_not_exist.py: cannot load the config "
+      r"file \(no such file\)$",
+    ),
+  ],
+)
+def test_cli_bad_config_file_or_variant(tmp_path, config, message):
   r = subprocess.run(
     [
       sys.executable,
       "-m",
       "loopjax.main",
-      "--config=experiments/sysgen.py:huge",
+      f"--config={config}",
       f"--workdir={tmp_path}",
     ],
     capture_output=True,
     text=True,
     timeout=120,
   )
-  assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-  assert "variant" in r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 2 and len(lines) == 1, r.stderr
+  assert re.match(message, lines[0]), r.stderr

@@ -74,7 +74,7 @@ def _dry_run(c):
       c.data.atomic_repeat,
     )
   )
-  step = make_train_step(graphdef, tx, c.model, c.train)
+  step = make_train_step(c, graphdef, tx)
   _, out = jax.eval_shape(step, state, batch)
   assert out["train/loss"].shape == ()
   Evaluator(graphdef, c, task).run(state["params"])  # compiled and run for real

@@ -367,8 +367,8 @@ def test_chains_answers_bridges_and_splits():
 
 
 def test_chains_too_many_asked():
-  from loopjax.config import ConfigError
   from loopjax.data import kg
+  from loopjax.errors import ConfigError
 
   with pytest.raises(ConfigError, match="2-hop chains number 48"):
     kg.chains(

@@ -11,10 +11,10 @@ from conftest import losses, run
 
 from experiments import extrapolation
 from loopjax import curriculum, evaluate, metrics, train
-from loopjax.analysis import overthinking
-from loopjax.config import ANALYSES, ConfigError
+from loopjax.analysis import ANALYSES, overthinking
 from loopjax.data import kg, pipeline
-from loopjax.state import train_state
+from loopjax.errors import ConfigError
+from loopjax.state import Model, train_state
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_stage_decays_the_lr(config):
   config.train.curriculum.lr_decay = 0.5
   task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
   graphdef, state, tx = train_state(config, task)
-  step = train.make_train_step(graphdef, tx, config.model, config.train)
+  step = train.make_train_step(config, graphdef, tx)
   batch = next(
     pipeline.train_iterator(kg.train_split(task, 4), 32, 0, task.vocab.pad_id)
   )
@@ -107,21 +107,17 @@ def test_data_must_hold_the_hops_the_config_trains_on(config):
 
 
 @pytest.mark.parametrize("reset", [False, True])
-def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
-  import types
-
+def test_next_stage_and_entering_it_optionally_resets_the_optimizer(config, reset):
   config.train.curriculum.update(threshold=0.9, reset_optimizer=reset)
   task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
   _, state, tx = train_state(config, task)
   state["opt_state"] = jax.tree.map(lambda x: x + 1, state["opt_state"])
-  made = []
-  it = pipeline.StagedIterator(lambda k: made.append(k) or iter(()), 2)
-  run = types.SimpleNamespace(config=config, train_iter=it, tx=tx, phases={})
-  same, advanced = curriculum.advance(run, state, 20, {"eval/test_k2/acc": 0.89})
-  assert not advanced and same is state and made == [2]
-  new, advanced = curriculum.advance(run, state, 40, {"eval/test_k2/acc": 0.9})
-  assert advanced and int(new["stage"]) == 3 and made == [2, 3]
-  assert run.phases == {"stage_3": 40}
+  assert curriculum.next_stage(config, 2, {"eval/test_k2/acc": 0.89}) is None
+  assert curriculum.next_stage(config, 2, {"eval/test_k2/acc": 0.9}) == 3
+  assert curriculum.next_stage(config, 3, {"eval/test_k2/acc": 1.0}) is None
+  assert curriculum.stage_names(config) == ("stage_3", "stage_4")
+  new = curriculum.enter(state, 3, tx, config)
+  assert int(new["stage"]) == 3 and int(state["stage"]) == 2  # the old one unchanged
   fresh = jax.tree.leaves(tx.init(state["params"]))
   for a, b, f in zip(
     jax.tree.leaves(state["opt_state"]),
@@ -131,8 +127,7 @@ def test_advance_moves_data_and_optionally_resets_the_optimizer(config, reset):
   ):
     np.testing.assert_array_equal(b, f if reset else a)
   # At the last stage (data.train_hops = 4) it stays.
-  it.set_stage(4)
-  assert not curriculum.advance(run, new, 60, {"eval/test_k4/acc": 1.0})[1]
+  assert curriculum.next_stage(config, 4, {"eval/test_k4/acc": 1.0}) is None
 
 
 def test_margin_matches_numpy():
@@ -170,9 +165,9 @@ def test_analyze_agrees_with_evaluation(config, whole):
   } | {"logit_lens_phases.png"}  # the curriculum's stages are its phases
   curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
   assert curves["step"] == 60 and curves["train_depths"] == [2, 4]
-  task, graphdef, params, _ = evaluate.restore_params(config, whole)
-  ev = evaluate.Evaluator(graphdef, config, task, depths=range(1, 7))
-  results, _ = ev.per_depth(params)
+  task, model, _ = evaluate.restore_model(config, whole)
+  ev = evaluate.Evaluator(model.graphdef, config, task, depths=range(1, 7))
+  results, _ = ev.per_depth(model.params)
   assert set(results) == set(curves["overthinking"])
   for name, res in results.items():
     acc = curves["overthinking"][name]["acc"]
@@ -196,15 +191,8 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
   graphdef, state, _ = train_state(config, task)
   ev = evaluate.Evaluator(graphdef, config, task, depths=(1, 2, 3))
   want, _ = ev.per_depth(state["params"])
-  got = overthinking.curves(
-    graphdef,
-    state["params"],
-    "float32",
-    jax.random.key(config.seed),
-    ev.probes,
-    3,
-    64,
-    task.vocab.pad_id,
-  )
+  config.analyze.max_depth, config.eval.batch_size = 3, 64
+  model = Model(graphdef, state["params"], "float32")
+  got = overthinking.curves(model, ev.probes, config, task.vocab.pad_id)
   for name, res in want.items():
     np.testing.assert_allclose(got[name]["acc"], [res["acc"][d] for d in (1, 2, 3)])

@@ -17,8 +17,9 @@ import pytest
 from conftest import CPU_ENV, cli, losses, run, steps_on_disk
 
 from loopjax import checkpoint, metrics, train
-from loopjax.config import ConfigError
+from loopjax.errors import ConfigError
 from loopjax.state import build_model, init_state, make_optimizer
+from loopjax.workdir import Workdir
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +195,7 @@ def _restore(config, workdir, step):
   )
   tx = make_optimizer(config.train)
   _, state = init_state(model, tx, config.seed)
-  mngr = checkpoint.manager(workdir, config.checkpoint)
+  mngr = Workdir(workdir).checkpoints(config.checkpoint)
   try:
     restored, s = checkpoint.restore(mngr, checkpoint.abstract(state), step=step)
   finally:

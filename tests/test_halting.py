@@ -100,5 +100,5 @@ def test_fixed_runs_r_max_like_the_model(setup):
 
 
 def test_unknown_criterion():
-  with pytest.raises(ValueError, match="criterion: must be one of"):
+  with pytest.raises(KeyError, match="'x'"):  # config.validate's one line: test_config
     halting.adaptive(None, jnp.zeros((1, 3), int), jnp.zeros(1, int), criterion="x")

@@ -11,6 +11,7 @@ import pytest
 from conftest import CPU_ENV, cli, steps_on_disk
 
 from launch import local
+from loopjax import metrics
 
 
 def test_dry_run_gives_each_process_its_id(capsys):
@@ -34,12 +35,13 @@ def _main(workdir, data_dir, steps, *flags):
   )
 
 
-def _launch(workdir, data_dir, steps, *flags, devices=1):
+def _launch(workdir, data_dir, steps, *flags, devices=1, launcher=()):
   cmd = [
     sys.executable,
     "launch/local.py",
     "--num_processes=2",
     f"--devices_per_process={devices}",
+    *launcher,
     "--",
     *_main(workdir, data_dir, steps, "--heartbeat_timeout=20", *flags),
   ]
@@ -55,16 +57,20 @@ def _losses(workdir):
 
 def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   """2 processes (data parallel over their devices): a run to step 20 and its
-  resumption to 40; process 0 alone writes the logs."""
+  resumption to 40, with an evaluation job beside it; process 0 alone writes
+  the logs."""
   workdir, data_dir = tmp_path / "run", tmp_path / "data"
   first = _launch(workdir, data_dir, 20)
   assert first.returncode == 0, first.stdout[-3000:]
   assert steps_on_disk(workdir) == [20]
-  second = _launch(workdir, data_dir, 40)
+  second = _launch(workdir, data_dir, 40, launcher=["--follow"])
   assert second.returncode == 0, second.stdout[-3000:]
   for i in (0, 1):
     assert f"[{i}] resumed from" in second.stdout
   assert steps_on_disk(workdir) == [20, 40]
+  assert "[eval] follow: the run has finished (step 40); done" in second.stdout
+  evaluated = [r["step"] for r in metrics.read_jsonl(workdir / "eval/metrics.jsonl")]
+  assert sorted(evaluated) == [20, 40]
   records = [
     json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()
   ]

@@ -99,7 +99,7 @@ def test_dynamic_depth_training_step(tiny_config):
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)
   graphdef, state = init_state(model, tx, 0)
-  step = train.make_train_step(graphdef, tx, tiny_config.model, tiny_config.train)
+  step = train.make_train_step(tiny_config, graphdef, tx)
   it = pipeline.train_iterator(task.splits["train"], 64, 0, task.vocab.pad_id)
   depths = []
   for _ in range(12):

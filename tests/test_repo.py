@@ -22,6 +22,17 @@ def test_readme_has_two_commands_and_ci_runs_the_test_one():
   assert test_cmd in (ROOT / ".ci/run").read_text().splitlines()
 
 
+def test_importing_loopjax_leaves_the_environment_alone():
+  code = (
+    "import os; a = dict(os.environ); import loopjax.train, loopjax.config, "
+    "loopjax.main, experiments.sysgen; assert a == dict(os.environ)"
+  )
+  r = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT
+  )
+  assert r.returncode == 0, r.stderr
+
+
 def test_ruff_clean():
   r = subprocess.run(
     [sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True

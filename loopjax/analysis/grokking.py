@@ -1,12 +1,10 @@
 """Grokking phases: memorization -> in-distribution -> systematic generalization.
 
 A phase is reached at the first evaluation where its probe accuracy crosses the
-threshold in `config.phases`. The training loop records the steps in
-`workdir/phases.json` and keeps the checkpoint of each transition forever.
+threshold in `config.phases`. These are pure functions of the metrics; the
+training loop records what they return in `workdir/phases.json` (workdir.py),
+which keeps each transition's checkpoint forever.
 """
-
-import json
-from pathlib import Path
 
 # phase -> the metric that marks it, in the order the phases are expected.
 PHASES = {
@@ -21,7 +19,7 @@ def newly_reached(metrics: dict, thresholds, reached: dict) -> list[str]:
   return [
     p
     for p, key in PHASES.items()
-    if p not in reached and key in metrics and metrics[key] >= thresholds[p]
+    if reached.get(p) is None and key in metrics and metrics[key] >= thresholds[p]
   ]
 
 
@@ -33,16 +31,8 @@ def detect(records: list[dict], thresholds) -> dict:
   return {p: reached.get(p) for p in PHASES}
 
 
-def load(workdir: Path) -> dict:
-  path = workdir / "phases.json"
-  return json.loads(path.read_text()) if path.exists() else {}
-
-
-def save(workdir: Path, reached: dict) -> None:
-  (workdir / "phases.json").write_text(json.dumps(reached, indent=2))
-
-
 def summary(reached: dict) -> str:
   return ", ".join(
-    f"{p} at step {reached[p]}" if p in reached else f"{p} not reached" for p in PHASES
+    f"{p} at step {reached[p]}" if reached.get(p) is not None else f"{p} not reached"
+    for p in PHASES
   )

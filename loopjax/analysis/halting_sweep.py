@@ -8,11 +8,10 @@ and mean iterations used, the trade-off a halting rule is chosen by.
 import functools
 
 import jax
-from flax import nnx
 
 from loopjax import halting
 from loopjax.data import pipeline
-from loopjax.state import cast
+from loopjax.evaluate import eval_key
 
 
 def settings(cfg) -> list[dict]:
@@ -32,15 +31,15 @@ def settings(cfg) -> list[dict]:
   return grid
 
 
-def table(graphdef, params, dtype, key, probes: dict, cfg, batch_size: int, pad):
-  """[{criterion, thresholds..., splits: {split: {acc, iterations}}}]; `key` as
-  in overthinking.curves."""
+def table(model, probes: dict, config, pad: int):
+  """[{criterion, thresholds..., splits: {split: {acc, iterations}}}] over the
+  `analyze.halting` grid; the initial state drawn as evaluations draw it."""
+  cfg, key = config.analyze.halting, eval_key(config)
 
   @functools.partial(jax.jit, static_argnames="criterion")
-  def run(params, batch, eps, tau, patience, *, criterion):
-    model = nnx.merge(graphdef, cast(params, dtype))
+  def run(model, batch, eps, tau, patience, *, criterion):
     logp_BV, iters_B = halting.adaptive(
-      model,
+      model.module(),
       batch["inputs"],
       batch["answer_pos"],
       criterion=criterion,
@@ -64,7 +63,7 @@ def table(graphdef, params, dtype, key, probes: dict, cfg, batch_size: int, pad)
     splits = {}
     for name, split in probes.items():
       correct_N, iters_N = pipeline.map_batches(
-        lambda b: run(params, b, **kw), split, batch_size, pad
+        lambda b: run(model, b, **kw), split, config.eval.batch_size, pad
       )
       splits[name] = {
         "acc": float(correct_N.mean()),

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from loopjax.data import pipeline
-from loopjax.evaluate import logits_per_iteration
+from loopjax.evaluate import eval_key, logits_per_iteration
 
 
 def margin(logits_RBV, target_B):
@@ -23,21 +23,20 @@ def margin(logits_RBV, target_B):
   return answer_RB - others_RBV.max(-1)
 
 
-def curves(
-  graphdef, params, dtype, key, probes: dict, max_depth: int, batch_size: int, pad
-):
-  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations; `key`
-  draws a random initial state (model.init_state random), as evaluations do."""
+def curves(model, probes: dict, config, pad: int):
+  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations, up to
+  `analyze.max_depth`; the initial state drawn as evaluations draw it."""
+  max_depth, key = config.analyze.max_depth, eval_key(config)
 
   @jax.jit
-  def step(params, batch):
-    logits_RBV = logits_per_iteration(graphdef, params, dtype, batch, max_depth, key)
+  def step(model, batch):
+    logits_RBV = logits_per_iteration(model, batch, max_depth, key)
     return margin(logits_RBV, batch["target"])
 
   out = {}
   for name, split in probes.items():
     margin_RN = pipeline.map_batches(
-      lambda b: step(params, b), split, batch_size, pad, axis=1
+      lambda b: step(model, b), split, config.eval.batch_size, pad, axis=1
     )
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),

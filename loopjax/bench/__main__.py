@@ -194,4 +194,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  from loopjax import xla
+
+  xla.apply_defaults()
   app.run(main)

@@ -22,7 +22,7 @@ def jax_step(config) -> dict:
   model = build_model(config.model, V, SEQ_LEN, config.seed)
   tx = make_optimizer(config.train)
   graphdef, state = init_state(model, tx, config.seed)
-  step = make_train_step(graphdef, tx, config.model, config.train)
+  step = make_train_step(config, graphdef, tx)
   batch = jax.device_put(random_batch(config, V, SEQ_LEN))
   t = time.perf_counter()
   compiled = step.lower(state, batch).compile()

@@ -1,8 +1,8 @@
 """Task data as integer arrays: generated (stored via TFDS) or the papers' JSON."""
 
-from loopjax.config import ConfigError
 from loopjax.data import grokked_json, tfds_kg
 from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
+from loopjax.errors import ConfigError
 
 __all__ = ["TaskData", "Vocab", "fingerprint", "load", "probes", "train_split"]
 
@@ -19,8 +19,5 @@ def load(data_cfg) -> TaskData:
         f"data.data_dir: cannot prepare the dataset in {data_cfg.data_dir!r} "
         f"({e.strerror or e}); pick a writable directory"
       ) from e
-  if data_cfg.source.startswith(_JSON):
-    return grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
-  raise ConfigError(
-    f"data.source: must be 'generate' or '{_JSON}DIR'; got {data_cfg.source!r}"
-  )
+  # config.validate allows nothing else
+  return grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)

@@ -9,6 +9,7 @@ from ml_collections import config_flags
 from loopjax import config as config_lib
 from loopjax import data
 from loopjax.data import grokked_json
+from loopjax.errors import ConfigError, exit_with
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _OUT = flags.DEFINE_string(
@@ -22,8 +23,8 @@ def main(argv):
   try:
     config_lib.validate(_CONFIG.value)
     grokked_json.export(data.load(_CONFIG.value.data), _OUT.value)
-  except config_lib.ConfigError as e:
-    config_lib.exit_with(str(e))
+  except ConfigError as e:
+    exit_with(str(e))
   print(f"wrote the papers' JSON files (train, valid, test, vocab) to {_OUT.value}")
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.config import ConfigError
 from loopjax.data import kg
+from loopjax.errors import ConfigError
 
 SPECIALS = ("<mask>", "<sep>", "<a>", "</a>", "<q>", "</q>")
 # Our probe split names -> the papers' test.json types.

@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from loopjax.config import ConfigError
+from loopjax.errors import ConfigError
 
 SPLITS = (
   "train",
@@ -90,6 +90,15 @@ class TaskData:
   def max_hops(self) -> int:
     """The longest chain the task holds (2 for composition)."""
     return self.splits[next(iter(self.splits))]["inputs"].shape[1] - 1
+
+
+def without_examples(data_cfg) -> TaskData:
+  """A config's task with its vocabulary and chain length but no examples:
+  what building a model needs (ahead-of-time compiles, from the config alone)."""
+  K = data_cfg.max_hops if data_cfg.task == "chains" else 2
+  empty = {"inputs": np.zeros((0, K + 1), np.int32), "target": np.zeros(0, np.int32)}
+  vocab = Vocab(data_cfg.num_entities, data_cfg.num_relations)
+  return TaskData(vocab, {"train": empty}, data_cfg.task)
 
 
 def train_split(data: TaskData, max_hops: int) -> Split:
@@ -273,8 +282,6 @@ def chains(
   (N, max_hops - 1): the intermediate entities b_1..b_{k-1}, -1 after them.
   """
   E, R, K = num_entities, num_relations, max_hops
-  if K < 2:
-    raise ConfigError(f"data.max_hops: must be >= 2; got {K}")
   vocab = Vocab(E, R)
   rng = np.random.default_rng(seed)
   tail_RE = np.argsort(rng.random((R, E)), axis=1)  # tail_RE[r, h]: r(h)

@@ -12,7 +12,7 @@ import grain
 import jax
 import numpy as np
 
-from loopjax.config import ConfigError
+from loopjax.errors import ConfigError
 
 
 def answer_pos(inputs_BT: np.ndarray, pad_id: int) -> np.ndarray:

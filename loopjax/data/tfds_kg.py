@@ -9,13 +9,14 @@ argument of the task's generator, so different settings never share files.
 import dataclasses
 import fcntl
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from loopjax.config import ConfigError
 from loopjax.data import kg
+from loopjax.errors import ConfigError
 
 
 class _NoCustomConfigWarning(logging.Filter):
@@ -158,7 +159,10 @@ def _prepared(data_cfg):
   with open(root / lock_name, "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     builder = _builder(data_cfg)
-    builder.download_and_prepare(file_format="array_record")  # no-op once prepared
+    if not builder.is_prepared():
+      if not sys.stderr.isatty():  # logs (SLURM, nohup): no carriage-return bars
+        tfds.disable_progress_bar()
+      builder.download_and_prepare(file_format="array_record")
   return builder
 
 

@@ -1,0 +1,65 @@
+"""The knowledge-graph tasks' loss: cross-entropy on the answer token, after the
+iterations `train.supervise` names."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def supervised(mode: str, R: int, hops_B, depth=None):
+  """Which iterations' answers get a loss: bool (R, B), True where supervised;
+  with a sampled `depth` (traced), iterations past it never are and the last
+  is `depth`.
+
+  "last": the answer after the final iteration only (the papers).
+  "atomic_every": atomic facts (1 hop) after every iteration, the rest after
+  the last: a fact must be retrievable at whatever iteration a composition
+  needs it, not only at R (without it, OOD facts, never used as a first hop in
+  training, resolve iterations later than ID ones: docs/results/sysgen.md).
+  "from_hops": every iteration from the example's hop count on (and the last).
+  """
+  t_R1, hops_1B = jnp.arange(1, R + 1)[:, None], hops_B[None]
+  last = R if depth is None else depth
+  if mode == "last":
+    on_RB = jnp.broadcast_to(t_R1 == last, (R, hops_B.shape[0]))
+  elif mode == "atomic_every":
+    on_RB = (t_R1 == last) | (hops_1B == 1)
+  else:
+    on_RB = (t_R1 >= hops_1B) | (t_R1 == last)
+  return on_RB & (t_R1 <= last)
+
+
+def answer_xent(logits_NV, target_N, label_smoothing: float):
+  """Per-example cross-entropy on the answer token; any leading shape N."""
+  V = logits_NV.shape[-1]
+  labels_NV = optax.smooth_labels(jax.nn.one_hot(target_N, V), label_smoothing)
+  return optax.softmax_cross_entropy(logits_NV, labels_NV)
+
+
+def answer_loss(logits_BV, target_B, label_smoothing: float):
+  """Mean cross-entropy on the answer token (with label smoothing), accuracy."""
+  loss_B = answer_xent(logits_BV, target_B, label_smoothing)
+  return loss_B.mean(), (logits_BV.argmax(-1) == target_B).mean()
+
+
+def loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
+  """(loss, accuracy) of `model` (an nnx module) on a batch. `depth`: a sampled
+  depth (traced) within a scan of `num_loops` iterations."""
+  run = lambda **kw: model(  # noqa: E731
+    batch["inputs"],
+    batch["answer_pos"],
+    key=key,
+    num_loops=num_loops,
+    depth=depth,
+    grad_depth=train_cfg.backprop_depth,
+    **kw,
+  )
+  ls = train_cfg.label_smoothing
+  if train_cfg.supervise == "last":
+    return answer_loss(run(), batch["target"], ls)
+  logits_BV, logits_RBV = run(per_iteration=True)
+  # The answer sits after h r1..rk at position k: k hops.
+  on_RB = supervised(train_cfg.supervise, num_loops, batch["answer_pos"], depth)
+  loss_RB = answer_xent(logits_RBV, batch["target"][None], ls)
+  loss = (loss_RB * on_RB).sum() / on_RB.sum()
+  return loss, (logits_BV.argmax(-1) == batch["target"]).mean()

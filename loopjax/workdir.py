@@ -1,0 +1,221 @@
+"""The run directory: what a run keeps there, and the rules for reusing one.
+
+`workdir/` holds `config.json` and `dataset.json` (what the run is), `phases.json`
+(the step each named phase was first reached, null until then), `checkpoints/`,
+the logs, and a lock per training process. A new config may reuse a workdir only
+if it differs in RESUMABLE fields; a run on other data refuses to start; so
+does a second trainer. Only this module writes these records.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from loopjax import config as config_lib
+from loopjax.data import kg
+from loopjax.errors import ConfigError
+
+# Fields that may change when a run resumes: how long and how often, not what.
+RESUMABLE = (
+  "model.scan_unroll",  # how the loop is compiled, not what it computes
+  "model.remat",
+  "train.num_steps",
+  "eval_every",
+  "log_every",
+  "checkpoint",
+  "eval",
+  "data.data_dir",
+  "phases",
+  "analyze",
+  "mesh",  # a checkpoint restores on any mesh: where the math runs, not what
+  "sharding",
+)
+
+
+def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str]:
+  """Fields whose values differ between two config dicts, except RESUMABLE ones.
+
+  A field the old run did not have (added to loopjax since) is no conflict when
+  the new config leaves it at its default: old runs keep resuming.
+  """
+  defaults = config_lib.base().to_dict() if defaults is None else defaults
+  out = []
+  for k in sorted(set(old) | set(new)):
+    path = f"{prefix}{k}"
+    if any(path == r or path.startswith(r + ".") for r in RESUMABLE):
+      continue
+    a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
+    d = defaults.get(k, "<missing>") if isinstance(defaults, dict) else "<missing>"
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += conflicts(a, b, path + ".", d)
+    elif a != b and not (k not in old and b == d):
+      out.append(f"{path}={a!r} (workdir) vs {b!r} (new)")
+  return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+  """Whole files only: another process (an evaluation job, another host) may be
+  reading them."""
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
+class Workdir:
+  """One run's directory. Reading is safe beside a live trainer; writing
+  (`record`, `reach`, the checkpoints) is for the one holding `exclusive`."""
+
+  def __init__(self, path):
+    self.path = Path(path)
+    self._phases = self._read_phases()
+
+  @property
+  def checkpoint_dir(self) -> Path:
+    return self.path / "checkpoints"
+
+  def saved_config(self):
+    """The run's config.json over base(): fields added to loopjax after the run
+    get their defaults. None if there is none yet."""
+    saved = self.path / "config.json"
+    if not saved.exists():
+      return None
+    c = config_lib.base()
+    c.unlock()
+    c.update(json.loads(saved.read_text()))  # recursive; lists become tuples
+    return c
+
+  def check(self, config) -> None:
+    """Raises ConfigError if the workdir holds a run with a conflicting config."""
+    saved = self.path / "config.json"
+    if saved.exists():
+      old = json.loads(saved.read_text())
+      diff = conflicts(old, json.loads(config_lib.to_json(config)))
+      if diff:
+        raise ConfigError(
+          f"--workdir={self.path} holds a run with another config: "
+          f"{'; '.join(diff)}. Use a new --workdir."
+        )
+    elif self.checkpoint_dir.exists() and any(self.checkpoint_dir.iterdir()):
+      raise ConfigError(
+        f"--workdir={self.path} has checkpoints but no config.json; "
+        "refusing to touch it. Use a new --workdir."
+      )
+
+  def check_writable(self) -> None:
+    """Fails now, not at the first checkpoint, if the workdir cannot be written."""
+    probe = self.path / f".write-probe-{jax.process_index()}"
+    try:
+      self.path.mkdir(parents=True, exist_ok=True)
+      probe.write_bytes(b"")
+      probe.unlink()
+    except OSError as e:
+      raise ConfigError(
+        f"--workdir={self.path}: cannot write there ({e.strerror or e})"
+      ) from e
+
+  @contextlib.contextmanager
+  def exclusive(self):
+    """One trainer per workdir: a second would interleave checkpoints and logs.
+    The OS drops the lock when the process ends, however it ends."""
+    with open(self.path / f".train-{jax.process_index()}.lock", "a+") as f:
+      try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        f.seek(0)
+        raise ConfigError(
+          f"--workdir={self.path}: another process (pid "
+          f"{f.read().strip() or '?'}) is training there; wait for it to end or "
+          "use a new --workdir"
+        ) from None
+      f.seek(0)
+      f.truncate()
+      f.write(f"{os.getpid()}\n")
+      f.flush()
+      yield
+
+  def record(self, config, task, phases=()) -> None:
+    """Writes config.json, dataset.json and phases.json (each of `phases` null
+    until reached); refuses data that changed under a run."""
+    sizes = {k: len(v["target"]) for k, v in task.splits.items()}
+    dataset = {
+      "fingerprint": kg.fingerprint(task),
+      "sizes": sizes,
+      "vocab_size": task.vocab.vocab_size,
+    }
+    saved = self.path / "dataset.json"
+    if (
+      saved.exists()
+      and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
+    ):
+      raise ConfigError(
+        f"--workdir={self.path} was trained on other data (fingerprint "
+        f"in {saved} differs); use a new --workdir"
+      )
+    print(
+      f"data: fingerprint {dataset['fingerprint'][:16]}, "
+      + ", ".join(f"{k}={n}" for k, n in sizes.items())
+    )
+    self._phases = dict.fromkeys(phases) | self._phases
+    if jax.process_index() == 0:
+      self.path.mkdir(parents=True, exist_ok=True)
+      write_atomic(self.path / "config.json", config_lib.to_json(config))
+      write_atomic(saved, json.dumps(dataset, indent=2))
+      self._write_phases()
+
+  @property
+  def phases(self) -> dict:
+    """{phase: first step reached, or None}, in the order they were named."""
+    return dict(self._phases)
+
+  def reached(self) -> dict:
+    """{phase: step} of the phases reached so far."""
+    return {p: s for p, s in self._phases.items() if s is not None}
+
+  def reach(self, names, step: int) -> None:
+    """Records that `names` were reached at `step`; their checkpoints are kept."""
+    self._phases |= dict.fromkeys(names, step)
+    if jax.process_index() == 0:
+      self._write_phases()
+
+  def kept_steps(self) -> set[int]:
+    return set(self.reached().values())
+
+  def _read_phases(self) -> dict:
+    path = self.path / "phases.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+  def _write_phases(self) -> None:
+    write_atomic(self.path / "phases.json", json.dumps(self._phases, indent=2))
+
+  def checkpoints(self, cfg, read_only: bool = False) -> ocp.CheckpointManager:
+    """The orbax manager of `checkpoints/`: keeps the last `cfg.keep`, every
+    `cfg.keep_every`-th step, and the steps of reached phases. `read_only`:
+    for readers beside a trainer (evaluation), which create and delete nothing."""
+    cm = ocp.checkpoint_managers
+    policies = [cm.LatestN(n=cfg.keep), _Kept(self)]
+    if cfg.keep_every:
+      policies.append(cm.EveryNSteps(interval_steps=cfg.keep_every))
+    options = ocp.CheckpointManagerOptions(
+      preservation_policy=cm.AnyPreservationPolicy(policies),
+      enable_async_checkpointing=cfg.async_save,
+      create=not read_only,
+      read_only=read_only,
+    )
+    return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
+
+
+class _Kept:
+  """orbax preservation policy: the workdir's reached phases' steps."""
+
+  def __init__(self, wd: Workdir):
+    self.wd = wd
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    steps = self.wd.kept_steps()
+    return [c.step in steps for c in checkpoints]
