@@ -26,6 +26,10 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from launch import slurm  # noqa: E402
 
 
 def free_port() -> int:
@@ -44,14 +48,6 @@ def commands(cmd: list[str], n: int, port: int) -> list[list[str]]:
     ]
     for i in range(n)
   ]
-
-
-def follower(cmd: list[str]) -> list[str]:
-  """The evaluation job for a training command: same interpreter, same workdir."""
-  workdir = [a for a in cmd if a.startswith("--workdir=")]
-  if not workdir:
-    sys.exit("error: --follow: the command needs a --workdir=")
-  return [sys.executable, "-m", "loopjax.main", "--mode=eval", "--follow", workdir[-1]]
 
 
 def _relay(name, stream) -> None:
@@ -88,7 +84,7 @@ def main(argv=None) -> int:
   cmds = commands(cmd, args.num_processes, free_port())
   names = list(range(args.num_processes))
   if args.follow:
-    cmds.append(follower(cmd))
+    cmds.append([sys.executable, "-m", "loopjax.main", *slurm.follow_args(cmd)])
     envs.append(os.environ | {"JAX_PLATFORMS": "cpu"})
     names.append("eval")
   if args.dry_run:

@@ -45,12 +45,11 @@ def render(args, main_args: list[str]) -> str:
 
 
 def _follow_step(args, main_args: list[str]) -> str:
-  workdir = [a for a in main_args if a.startswith("--workdir=")][-1]
   return (
     "# The evaluation job: one task on the first node's CPUs, beside training.\n"
     f"srun --overlap --nodes=1 --ntasks=1 --gpus=0 --cpus-per-task={args.cpus_per_task}"
     " --export=ALL,JAX_PLATFORMS=cpu \\\n"
-    f"    python -m loopjax.main --mode=eval --follow {shlex.quote(workdir)} &"
+    f"    python -m loopjax.main {shlex.join(follow_args(main_args))} &"
   )
 
 
@@ -79,6 +78,15 @@ def absolute_workdir(main_args: list[str]) -> None:
       "error: --workdir: must be an absolute path on a filesystem every host "
       f"mounts; got {workdir[-1] if workdir else 'none'}"
     )
+
+
+def follow_args(main_args: list[str]) -> list[str]:
+  """loopjax.main's arguments for the evaluation job beside a training run: the
+  trainer's workdir and config flags (its num_steps says when the run ends)."""
+  keep = [a for a in main_args if a.startswith(("--config", "--workdir="))]
+  if not any(a.startswith("--workdir=") for a in keep):
+    sys.exit("error: --follow: the command needs a --workdir=")
+  return ["--mode=eval", "--follow", *keep]
 
 
 def submit(args, main_args: list[str]) -> int:

@@ -55,10 +55,9 @@ def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
     f"python3 -m pip install -q 'jax[tpu]=={version('jax')}' -e . "
     "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html"
   )
-  workdir = [a for a in main_args if a.startswith("--workdir=")][-1]
   follow = (
     f"cd {REMOTE_DIR} && nohup env JAX_PLATFORMS=cpu python3 -m loopjax.main "
-    f"--mode=eval --follow {shlex.quote(workdir)} > ~/loopjax-follow.log 2>&1 &"
+    f"{shlex.join(slurm.follow_args(main_args))} > ~/loopjax-follow.log 2>&1 &"
   )
   return [
     ("describe", _gcloud(args, "describe") + ["--format=value(state)"]),

@@ -355,8 +355,7 @@ def _validate_chains(c) -> None:
     )
   if c.eval_every < 1:
     raise ConfigError(
-      "eval_every: must be >= 1 with a curriculum (it advances at evaluations); "
-      "got 0"
+      "eval_every: must be >= 1 with a curriculum (it advances at evaluations); got 0"
     )
 
 

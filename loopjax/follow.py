@@ -20,9 +20,13 @@ from loopjax.workdir import Workdir
 
 def follow(workdir, config=None, *, poll_s: float = 5.0, analyses: bool = False):
   """Evaluates every checkpoint of `workdir` once, until a checkpoint of the
-  run's last step (config.json's `train.num_steps`) is evaluated. `config`
-  (validated) overrides what may differ from the run's (eval.*, analyze.*)."""
-  wd = Workdir(workdir)
+  run's last step is evaluated. `config` (validated; the trainer's, as the
+  launchers pass it) sets that step and what may differ from the run's config
+  (eval.*, analyze.*); without it, the workdir's config.json does, read again
+  at every look (a resumed run may train further). A follower started with a
+  trainer that resumes a finished run to more steps needs the trainer's config:
+  the old config.json says the run has finished."""
+  wd, given = Workdir(workdir), config is not None
   config = _wait_for_config(wd, config, poll_s)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
   task = data.load(config.data)
@@ -39,7 +43,7 @@ def follow(workdir, config=None, *, poll_s: float = 5.0, analyses: bool = False)
         if _evaluate(wd, config, task, reader, evaluator, writer, step, analyses):
           print(f"follow: evaluated step {step}")
         done.add(step)
-      last = wd.saved_config().train.num_steps  # a resumed run may extend it
+      last = (config if given else wd.saved_config()).train.num_steps
       if any(s >= last for s in done):
         print(f"follow: the run has finished (step {last}); done")
         return

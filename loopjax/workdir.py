@@ -196,6 +196,11 @@ class Workdir:
     """The orbax manager of `checkpoints/`: keeps the last `cfg.keep`, every
     `cfg.keep_every`-th step, and the steps of reached phases. `read_only`:
     for readers beside a trainer (evaluation), which create and delete nothing."""
+    if read_only:
+      options = ocp.CheckpointManagerOptions(
+        read_only=True, create=False, save_interval_steps=0
+      )
+      return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
     cm = ocp.checkpoint_managers
     policies = [cm.LatestN(n=cfg.keep), _Kept(self)]
     if cfg.keep_every:
@@ -203,8 +208,7 @@ class Workdir:
     options = ocp.CheckpointManagerOptions(
       preservation_policy=cm.AnyPreservationPolicy(policies),
       enable_async_checkpointing=cfg.async_save,
-      create=not read_only,
-      read_only=read_only,
+      create=True,
     )
     return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
 

@@ -1,10 +1,22 @@
 """Shared fixtures: tiny configs and a CPU with 8 devices for sharding tests."""
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# One persistent compilation cache for this session's processes (in-process
+# runs and every CLI subprocess): the suite compiles the same tiny programs
+# dozens of times. Fresh per session, so nothing carries over between runs;
+# a cached executable is the same program, so results are bit for bit the same.
+_CACHE = tempfile.mkdtemp(prefix="loopjax-test-xla-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 from loopjax import xla  # noqa: E402
 

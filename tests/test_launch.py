@@ -35,15 +35,13 @@ def test_slurm_and_tpu_start_an_evaluation_job_with_follow(capsys):
   follow = script.index("srun --overlap --nodes=1 --ntasks=1 --gpus=0")
   train = script.index("python -m loopjax.main --distributed")
   assert follow < train and script.index("\nwait") > train
-  assert "--mode=eval --follow --workdir=/shared/run &" in script
+  assert "--mode=eval --follow " + " ".join(MAIN_ARGS) + " &" in script
   assert (
     tpu.main(["--name=lj", "--zone=z", "--follow", "--dry-run", "--", *MAIN_ARGS]) == 0
   )
   lines = capsys.readouterr().out.splitlines()
-  assert (
-    "--worker=0" in lines[-2]
-    and "--mode=eval --follow --workdir=/shared/run" in lines[-2]
-  )
+  assert "--worker=0" in lines[-2]
+  assert "--mode=eval --follow " + " ".join(MAIN_ARGS) in lines[-2]
   assert "JAX_PLATFORMS=cpu" in lines[-2] and "--worker=all" in lines[-1]
 
 

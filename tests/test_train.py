@@ -108,7 +108,7 @@ def test_eval_mode_reads_checkpoint_at_several_depths(tiny_config, tmp_path):
   assert (tmp_path / "eval/step_60.json").exists()
 
 
-STEPS = ("--config.train.num_steps=400",)
+STEPS = ("--config.train.num_steps=200",)
 
 
 def _wait_for_step(workdir, step, proc, timeout=120):
@@ -140,7 +140,7 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
     text=True,
     env=CPU_ENV,
   )
-  _wait_for_step(workdir, random.Random(int(sig)).randrange(20, 300), proc)
+  _wait_for_step(workdir, random.Random(int(sig)).randrange(20, 150), proc)
   proc.send_signal(sig)
   out, _ = proc.communicate(timeout=120)
   if sig == signal.SIGTERM:
@@ -148,7 +148,7 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   rerun = run(cli(workdir, data_dir, *STEPS))
   assert rerun.returncode == 0, rerun.stderr
   assert "resumed from" in rerun.stdout
-  tiny_config.train.num_steps = 400
+  tiny_config.train.num_steps = 200
   train.train_and_evaluate(tiny_config, tmp_path / "straight")
   resumed, straight = losses(workdir), losses(tmp_path / "straight")
   assert straight == resumed  # SIGKILL: steps after the last save are logged twice
