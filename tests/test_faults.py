@@ -270,14 +270,11 @@ def _kill_trials(straight, tmp_path, trials, seed):
   assert losses(workdir) == losses(done)
 
 
+@pytest.mark.slow  # the default suite's time; .ci/run runs the slow tier
 def test_sigkill_during_async_writes_resumes_from_complete_checkpoint(
   straight, tmp_path
 ):
-  _kill_trials(straight, tmp_path, trials=1, seed=0)  # 20: -m slow
-
-
-@pytest.mark.slow
-def test_sigkill_many_trials(straight, tmp_path):
+  _kill_trials(straight, tmp_path, trials=20, seed=1)
   _kill_trials(straight, tmp_path, trials=20, seed=1)
 
 

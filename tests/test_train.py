@@ -263,3 +263,18 @@ def test_eval_mode_reads_an_older_runs_config(tiny_config, tmp_path):
   )
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert json.loads((tmp_path / "eval/step_60.json").read_text())["step"] == 60
+
+
+def test_progress_off_a_terminal_is_plain_lines_at_an_interval():
+  import io
+
+  for every_s, want in ((0.0, 5), (3600.0, 1)):  # 1: only the last step's line
+    out = io.StringIO()  # not a terminal, like a SLURM or nohup log
+    progress = metrics.Progress(total=5, initial=0, every_s=every_s, stream=out)
+    for step in range(1, 6):
+      progress.update(step, {"train/loss": 1.0 / step, "eval/test_k2/acc": 0.5})
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == want and "\r" not in out.getvalue()
+    assert lines[-1].startswith("train: step 5/5 (100%), ")
+    assert lines[-1].endswith("loss=0.200 test_k2=0.500")
