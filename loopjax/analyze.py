@@ -9,6 +9,7 @@ massive activations) share one traced forward pass per batch
 checkpoint (`analyze.lens_phases`).
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -48,14 +49,20 @@ def main_split(config) -> str:
   return f"test_k{config.data.train_hops}"
 
 
-def analyze(config, workdir, step: int | None = None, out_dir=None) -> list[Path]:
-  """Runs `analyze.names` on a checkpoint; writes under `out_dir` (default
-  `workdir/analysis`)."""
+def analyze(config, workdir, step: int | None = None) -> list[Path]:
+  """`--mode=analyze`: `analyze.names` on a checkpoint (default: the newest),
+  written under `workdir/analysis`."""
   workdir = Path(workdir)
   task, model, step = evaluate.restore_model(config, workdir, step)
+  return run(config, workdir, task, model, step, workdir / "analysis")
+
+
+def run(config, workdir, task, model: Model, step: int, out_dir, phases=True):
+  """The analyses of `model` (the checkpoint at `step`), written under
+  `out_dir`; `phases`: the logit lens also on every phase's checkpoint."""
+  workdir, out_dir = Path(workdir), Path(out_dir)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, a = task.vocab.pad_id, config.analyze
-  out_dir = workdir / "analysis" if out_dir is None else Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   head = {
     "step": step,
@@ -67,7 +74,7 @@ def analyze(config, workdir, step: int | None = None, out_dir=None) -> list[Path
   if any(n in MECHANISTIC for n in a.names):
     step_fn = traced_step(config, pad, a.names)
     traced = trace_all(config, step_fn, model, probes, pad)
-  if "logit_lens" in a.names and a.lens_phases:
+  if "logit_lens" in a.names and a.lens_phases and phases:
     traced["logit_lens_phases"] = lens_phases(config, workdir, task, probes)
   written = []
   for name in a.names:
@@ -91,28 +98,33 @@ def analyze(config, workdir, step: int | None = None, out_dir=None) -> list[Path
 
 
 def traced_step(config, pad, names):
-  """One jitted pass (model, batch) for the mechanistic analyses among `names`:
-  the model's trace to analyze.max_depth iterations, reduced per example by each."""
-  names = [n for n in names if n in MECHANISTIC]
-  depth, key = config.analyze.max_depth, evaluate.eval_key(config)
+  """One pass (model, batch) for the mechanistic analyses among `names`: the
+  model's trace to analyze.max_depth iterations, reduced per example by each.
+  Compiled once per model graph and settings, whatever the params."""
+  return functools.partial(
+    _traced,
+    key=evaluate.eval_key(config),
+    depth=config.analyze.max_depth,
+    names=tuple(n for n in names if n in MECHANISTIC),
+    pad=pad,
+  )
 
-  @jax.jit
-  def step(weights: Model, batch):
-    model = weights.module()
-    trace = model.trace(batch["inputs"], depth, key)
-    out = {}
-    if "logit_lens" in names:
-      out["logit_lens"] = logit_lens.per_example(model, trace, batch)
-    for name, module in (
-      ("fixed_points", fixed_points),
-      ("attention", attention),
-      ("activations", activations),
-    ):
-      if name in names:
-        out[name] = module.per_example(trace, batch, pad)
-    return out
 
-  return step
+@functools.partial(jax.jit, static_argnames=("depth", "names", "pad"))
+def _traced(weights: Model, batch, key, *, depth: int, names: tuple, pad: int):
+  model = weights.module()
+  trace = model.trace(batch["inputs"], depth, key)
+  out = {}
+  if "logit_lens" in names:
+    out["logit_lens"] = logit_lens.per_example(model, trace, batch)
+  for name, module in (
+    ("fixed_points", fixed_points),
+    ("attention", attention),
+    ("activations", activations),
+  ):
+    if name in names:
+      out[name] = module.per_example(trace, batch, pad)
+  return out
 
 
 def trace_all(config, step, model: Model, probes, pad) -> dict:

@@ -4,78 +4,143 @@ On pods, training runs with in-loop evaluation off (`eval_every=0`) and a job
 beside it (another host, another device) evaluates each checkpoint as it
 appears: every probe split at every `eval.depths`, optionally the analyses.
 It only reads the trainer's files (orbax renames a checkpoint into place when
-it is complete, so a listed step is whole), never locks or writes what the
-trainer writes, and remembers what it evaluated in `eval/metrics.jsonl`: each
-checkpoint's record is appended once, after its `eval/step_<N>.json` is
-written, so a restarted follower goes on where it stopped.
+it is complete, so a listed step is whole) and writes under `eval/` (and
+`analysis/step_<N>/`), one follower per workdir. `eval/metrics.jsonl` is its
+record: a checkpoint's line is appended once, after its `eval/step_<N>.json`
+and TensorBoard points (tags `eval_job/...`) are written, so a restarted
+follower goes on where it stopped. For composition runs it also writes
+`eval/phases.json`, the grokking phases its evaluations show.
+
+It ends once a checkpoint of the run's last step is evaluated, or, if the
+trainer stops early (an error, a preemption: its `end` record in
+metrics.jsonl, newer than the follower), once what it saved is evaluated
+(exit 1). A trainer killed outright writes no `end`: the follower then waits.
 """
 
+import json
 import time
 
 from loopjax import analyze, data, evaluate, metrics
 from loopjax import config as config_lib
+from loopjax.analysis import grokking
 from loopjax.errors import first_line
-from loopjax.workdir import Workdir
+from loopjax.workdir import Workdir, write_atomic
+
+RETRIES = 3  # looks at a checkpoint that does not restore before skipping it
 
 
-def follow(workdir, config=None, *, poll_s: float = 5.0, analyses: bool = False):
+class TrainerStopped(RuntimeError):
+  """The trainer ended before its last step; everything it saved is evaluated."""
+
+
+def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False):
   """Evaluates every checkpoint of `workdir` once, until a checkpoint of the
   run's last step is evaluated. `config` (validated; the trainer's, as the
   launchers pass it) sets that step and what may differ from the run's config
   (eval.*, analyze.*); without it, the workdir's config.json does, read again
-  at every look (a resumed run may train further). A follower started with a
-  trainer that resumes a finished run to more steps needs the trainer's config:
-  the old config.json says the run has finished."""
-  wd, given = Workdir(workdir), config is not None
+  at every look. A follower started with a trainer that resumes a finished run
+  to more steps needs the trainer's config: the old config.json says the run
+  has finished."""
+  wd, given, started = Workdir(workdir), config is not None, time.time()
   config = _wait_for_config(wd, config, poll_s)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
-  task = data.load(config.data)
-  reader = evaluate.Reader(config, wd.path, task)
-  evaluator = evaluate.Evaluator(reader.graphdef, config, task, config.eval.depths)
-  log = wd.path / "eval" / "metrics.jsonl"
-  done = {r["step"] for r in metrics.read_jsonl(log)} if log.exists() else set()
-  if done:
-    print(f"follow: {len(done)} checkpoints already evaluated (newest {max(done)})")
-  writer = metrics.Writer(log, wd.path / "tb" / "eval")
-  try:
-    while True:
-      for step in [s for s in reader.steps() if s not in done]:
-        if _evaluate(wd, config, task, reader, evaluator, writer, step, analyses):
-          print(f"follow: evaluated step {step}")
-        done.add(step)
-      last = (config if given else wd.saved_config()).train.num_steps
-      if any(s >= last for s in done):
-        print(f"follow: the run has finished (step {last}); done")
-        return
-      time.sleep(poll_s)
-  finally:
-    writer.close()
-    reader.close()
-
-
-def _evaluate(wd, config, task, reader, evaluator, writer, step, analyses) -> bool:
-  """Evaluates one checkpoint; False if it went away or does not restore."""
-  try:
-    model, _ = reader.model(step)
-  except Exception as e:  # noqa: BLE001 - deleted by the trainer's keep policy, or damaged
-    gone = not (wd.checkpoint_dir / str(step)).exists()
-    print(
-      f"follow: checkpoint {step} "
-      + (
-        "was deleted before it was evaluated; skipped"
-        if gone
-        else f"does not restore ({first_line(e)}); skipped"
+  with wd.exclusive("follow"):
+    task = data.load(config.data)
+    reader = evaluate.Reader(config, wd.path, task)
+    job = _Job(wd, config, task, reader, analyses)
+    if job.done:
+      print(
+        f"follow: {len(job.done)} checkpoints already evaluated (newest "
+        f"{max(job.done)})"
       )
+    try:
+      while True:
+        for step in [s for s in reader.steps() if s not in job.done]:
+          job.evaluate(step)
+        last = (config if given else wd.saved_config()).train.num_steps
+        if final := [s for s in job.done if s >= last]:
+          if final[0] in job.damaged:
+            raise TrainerStopped(
+              f"follow: the run has finished but its final checkpoint {final[0]} "
+              "does not restore"
+            )
+          print(f"follow: the run has finished (step {last}); done")
+          return
+        end = _trainer_end(wd, since=started)
+        if end is not None and not [s for s in reader.steps() if s not in job.done]:
+          raise TrainerStopped(
+            f"follow: the trainer stopped at step {end['step']} ({end['reason']}), "
+            f"before step {last}; every checkpoint it saved is evaluated. Start "
+            "the follower again with the resumed trainer"
+          )
+        time.sleep(poll_s)
+    finally:
+      job.close()
+
+
+class _Job:
+  """The follower's state: what it evaluated, and where it writes."""
+
+  def __init__(self, wd: Workdir, config, task, reader, analyses: bool):
+    self.wd, self.config, self.task, self.reader = wd, config, task, reader
+    self.analyses = analyses
+    self.evaluator = evaluate.Evaluator(
+      reader.graphdef, config, task, config.eval.depths
     )
-    return False
-  flat, per_depth = evaluator.run_all(model.params)
-  evaluate.write_results(wd.path, evaluate.results(config, task, per_depth, step))
-  if analyses:
-    analyze.analyze(
-      config, wd.path, step, out_dir=wd.path / "analysis" / f"step_{step}"
-    )
-  writer.write(step, flat)  # last: the record says the step is done
-  return True
+    log = wd.path / "eval" / "metrics.jsonl"
+    self.records = metrics.read_jsonl(log) if log.exists() else []
+    self.done = {r["step"] for r in self.records}
+    self.failures: dict[int, int] = {}
+    self.damaged: set[int] = set()
+    self.writer = metrics.Writer(log, wd.path / "tb", tb_section="eval_job")
+
+  def evaluate(self, step: int) -> None:
+    """Evaluates one checkpoint, or says why it could not (deleted by the
+    trainer's keep policy before its turn; damaged: after RETRIES looks)."""
+    try:
+      model, _ = self.reader.model(step)
+      flat, per_depth = self.evaluator.run_all(model.params)
+      report = evaluate.results(self.config, self.task, per_depth, step)
+      evaluate.write_results(self.wd.path, report)
+      if self.analyses:
+        out = self.wd.path / "analysis" / f"step_{step}"
+        analyze.run(self.config, self.wd.path, self.task, model, step, out, False)
+    except Exception as e:  # noqa: BLE001 - a checkpoint gone or unreadable
+      if not (self.wd.checkpoint_dir / str(step)).exists():
+        print(f"follow: checkpoint {step} was deleted before it was evaluated; skipped")
+        self.done.add(step)
+        return
+      self.failures[step] = self.failures.get(step, 0) + 1
+      if self.failures[step] < RETRIES:
+        return
+      print(f"follow: checkpoint {step} does not restore ({first_line(e)}); skipped")
+      self.done.add(step)
+      self.damaged.add(step)
+      return
+    self.writer.write(step, flat)  # last: the record says the step is done
+    self.records.append({"step": step, **flat})
+    self.done.add(step)
+    if self.config.data.task == "composition":
+      phases = grokking.detect(self.records, self.config.phases)
+      write_atomic(self.wd.path / "eval" / "phases.json", json.dumps(phases, indent=2))
+    print(f"follow: evaluated step {step}")
+
+  def close(self) -> None:
+    self.writer.close()
+    self.reader.close()
+
+
+def _trainer_end(wd: Workdir, since: float) -> dict | None:
+  """The trainer's newest `end` record if it came after `since` and after its
+  newest `start` (an early stop this follower saw happen), else None."""
+  path = wd.path / "metrics.jsonl"
+  events = (
+    [r for r in metrics.read_jsonl(path) if "event" in r] if path.exists() else []
+  )
+  last = events[-1] if events else None
+  if last and last["event"] == "end" and last["time"] > since:
+    return None if last["reason"] == "finished" else last
+  return None
 
 
 def _wait_for_config(wd: Workdir, config, poll_s: float):

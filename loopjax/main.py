@@ -42,7 +42,7 @@ flags.DEFINE_bool(
 flags.DEFINE_bool(
   "analyze", False, "--mode=eval --follow: also run analyze.names on each checkpoint."
 )
-flags.DEFINE_float("poll_s", 5.0, "--follow: seconds between looks for checkpoints.")
+flags.DEFINE_float("poll_s", 2.0, "--follow: seconds between looks for checkpoints.")
 flags.DEFINE_bool(
   "distributed",
   False,
@@ -94,8 +94,10 @@ def main(argv):
     exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
   if not FLAGS.workdir:
     exit_with("--workdir is required")
-  if (FLAGS.follow or FLAGS.analyze) and FLAGS.mode != "eval":
-    exit_with("--follow and --analyze: only with --mode=eval")
+  if FLAGS.follow and FLAGS.mode != "eval":
+    exit_with("--follow: only with --mode=eval")
+  if FLAGS.analyze and not FLAGS.follow:
+    exit_with("--analyze: only with --mode=eval --follow (else --mode=analyze)")
   if FLAGS.follow and FLAGS.step is not None:
     exit_with("--step: not with --follow (it evaluates every checkpoint)")
   workdir = Path(FLAGS.workdir).expanduser()
@@ -118,7 +120,7 @@ def main(argv):
       config_lib.validate(config)
   except ConfigError as e:
     exit_with(str(e))
-  import jax  # after validation: a bad config fails fast
+  import jax
 
   from loopjax import analyze, evaluate, follow, sharding, train
 
@@ -154,7 +156,7 @@ def main(argv):
       print("wrote " + ", ".join(map(str, paths)))
   except ConfigError as e:
     exit_with(str(e))
-  except train.RunStopped as e:
+  except (train.RunStopped, follow.TrainerStopped) as e:
     exit_with(str(e), code=1)
   except jax.errors.JaxRuntimeError as e:
     if jax.process_count() == 1:

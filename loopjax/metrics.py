@@ -16,29 +16,48 @@ class Writer:
 
   Every record carries `time` (Unix seconds); `start(step)` marks where a
   process began (or resumed) training, so wall time to a step can be summed
-  over the segments of a resumed run (`wall_times`).
+  over the segments of a resumed run (`wall_times`), and `end(step, reason)`
+  where it stopped. A line cut short by a kill is removed before appending.
+  `tb_section`: TensorBoard tags `<section>/...` in place of `eval/...` (an
+  evaluation job's own tags), each point flushed at once.
   """
 
-  def __init__(self, jsonl: Path, tb_dir: Path):
+  def __init__(self, jsonl: Path, tb_dir: Path, tb_section: str | None = None):
     self.enabled = jax.process_index() == 0
+    self.tb_section = tb_section
     if self.enabled:
       from tensorboardX import SummaryWriter  # heavy import, process 0 only
 
       jsonl.parent.mkdir(parents=True, exist_ok=True)
+      _drop_partial_line(jsonl)
       self._jsonl = open(jsonl, "a")
-      self._tb = SummaryWriter(str(tb_dir))
+      # Its own event file (names hold only the second and the host): the
+      # trainer's and an evaluation job's may start in the same second.
+      suffix = "" if tb_section is None else f".{tb_section}"
+      self._tb = SummaryWriter(str(tb_dir), filename_suffix=suffix)
 
   def start(self, step: int) -> None:
     if self.enabled:
       self._line({"step": step, "time": time.time(), "event": "start"})
 
+  def end(self, step: int, reason: str) -> None:
+    """`reason`: finished, preempted or stopped (an error)."""
+    if self.enabled:
+      self._line({"step": step, "time": time.time(), "event": "end", "reason": reason})
+
   def write(self, step: int, scalars: dict) -> None:
+    """TensorBoard first, then the JSONL line: a record in the JSONL file means
+    the step was written everywhere."""
     if not self.enabled:
       return
     scalars = {k: float(np.asarray(v)) for k, v in scalars.items()}
-    self._line({"step": step, "time": time.time(), **scalars})
     for k, v in scalars.items():
+      if self.tb_section is not None:
+        k = f"{self.tb_section}/{k.removeprefix('eval/')}"
       self._tb.add_scalar(k, v, step)
+    if self.tb_section is not None:
+      self._tb.flush()
+    self._line({"step": step, "time": time.time(), **scalars})
 
   def _line(self, record: dict) -> None:
     self._jsonl.write(json.dumps(record) + "\n")
@@ -48,6 +67,18 @@ class Writer:
     if self.enabled:
       self._jsonl.close()
       self._tb.close()
+
+
+def _drop_partial_line(path: Path) -> None:
+  """Truncates a last line without its newline (a writer killed mid-line)."""
+  if not path.exists() or path.stat().st_size == 0:
+    return
+  size = path.stat().st_size
+  with open(path, "rb+") as f:
+    f.seek(max(0, size - 2**16))  # records are far shorter than this
+    tail = f.read()
+    if not tail.endswith(b"\n"):
+      f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
 
 
 def read_jsonl(path) -> list[dict]:
@@ -68,7 +99,7 @@ def wall_times(records: list[dict]) -> dict[int, float]:
   """
   out, done, seg_start, last = {}, 0.0, None, 0.0
   for r in records:
-    if "time" not in r:
+    if "time" not in r or r.get("event") == "end":
       continue
     if r.get("event") == "start":
       if seg_start is not None:

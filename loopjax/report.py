@@ -11,6 +11,7 @@ k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
 where the hop curriculum advanced.
 """
 
+import json
 import statistics
 from pathlib import Path
 
@@ -52,9 +53,26 @@ def splits(records: list[dict]) -> list[str]:
   return composition or (["atomic"] if "atomic" in keys else []) + chains
 
 
+def eval_records(workdir: Path) -> list[dict]:
+  """A run's evaluations: the training loop's, or (trained with
+  eval_every=0) those of the evaluation job that followed it."""
+  own = _evals(read_jsonl(workdir / "metrics.jsonl"))
+  job = workdir / "eval" / "metrics.jsonl"
+  return own or (_evals(read_jsonl(job)) if job.exists() else [])
+
+
+def reached_phases(workdir: Path) -> dict:
+  """{phase: step}: the training loop's phases.json, or the evaluation job's."""
+  if reached := Workdir(workdir).reached():
+    return reached
+  job = workdir / "eval" / "phases.json"
+  found = json.loads(job.read_text()) if job.exists() else {}
+  return {p: s for p, s in found.items() if s is not None}
+
+
 def curves(workdir: Path) -> dict:
   """{split: (steps, accuracies)} at the training depth."""
-  records = _evals(read_jsonl(workdir / "metrics.jsonl"))
+  records = eval_records(workdir)
   if not records:
     return {}
   return {
@@ -67,7 +85,7 @@ def plot_run(workdir: Path) -> Path:
   fig, ax = plt.subplots(figsize=(7, 4))
   for split, (steps, acc) in curves(workdir).items():
     ax.plot(steps, acc, label=split)
-  for phase, step in Workdir(workdir).reached().items():
+  for phase, step in reached_phases(workdir).items():
     ax.axvline(step, color="gray", ls=":", lw=1)
     ax.text(step, 1.02, phase, rotation=90, va="bottom", ha="center", fontsize=7)
   _style(ax, workdir.name)
@@ -104,8 +122,8 @@ def results_row(workdir: Path) -> dict:
   records = read_jsonl(workdir / "metrics.jsonl")
   walls = wall_times(records)
   rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
-  evals = _evals(records)
-  phases = Workdir(workdir).reached()
+  evals = eval_records(workdir)
+  phases = reached_phases(workdir)
   final = FINAL if evals and "eval/train_inferred/acc" in evals[-1] else None
   if final is None and evals:
     final = tuple(f"{s}/acc" for s in splits(evals))

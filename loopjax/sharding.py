@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from loopjax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
+_NO_MESH = jax.sharding.AbstractMesh((), ())
 
 
 def initialize(
@@ -198,14 +199,9 @@ def active(mesh, rules):
   """Within (while a step is traced): `constrain` shards by `mesh` and `rules`,
   through JAX's mesh context and flax's logical-axis rules. Entered inside the
   jitted functions themselves, so a compiled step never depends on where it is
-  called from; mesh None: nothing is constrained."""
-  if mesh is None:
-    yield
-    return
-  with (
-    jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
-    nnx.logical_axis_rules(tuple(rules)),
-  ):
+  called from; mesh None: nothing is constrained, whatever the caller set."""
+  abstract = _NO_MESH if mesh is None else mesh.abstract_mesh
+  with jax.sharding.use_abstract_mesh(abstract), nnx.logical_axis_rules(tuple(rules)):
     yield
 
 

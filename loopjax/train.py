@@ -8,6 +8,7 @@ device just to log. The run directory's records and rules are workdir.py's;
 the loop applies what phase detection and the curriculum decide.
 """
 
+import dataclasses
 import math
 import signal
 
@@ -135,7 +136,7 @@ def train_and_evaluate(config, workdir) -> dict:
   curriculum.check_task(config, task)
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
   wd.check_writable()
-  with wd.exclusive():
+  with wd.exclusive("train"):
     wd.record(config, task, phase_names(config))
     return _train(config, wd, task, placement)
 
@@ -166,28 +167,31 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
     return {}
   writer = metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb")
   loop = _Loop(
-    config,
-    wd,
-    lambda s, b: train_step(s, sharding.global_batch(b, batch_sharding, B)),
-    tx,
-    train_iter,
-    evaluator,
-    mngr,
-    writer,
+    config=config,
+    wd=wd,
+    train_step=lambda s, b: train_step(s, sharding.global_batch(b, batch_sharding, B)),
+    tx=tx,
+    train_iter=train_iter,
+    evaluator=evaluator,
+    mngr=mngr,
+    writer=writer,
+    step=start,
   )
-  failure = None
+  failure, reason = None, "stopped"
   try:
     writer.start(start)
     with _Preemption() as preempt:
-      step, last = loop.run(state, start, preempt)
+      step, last = loop.run(state, preempt)
+    reason = "finished" if preempt.signal is None else "preempted"
   except (FloatingPointError, OSError) as e:
     failure = e
   finally:  # an error mid-run still completes pending saves and flushes logs
     try:
       checkpoint.wait(mngr)
     except checkpoint.WriteError as e:
-      failure = failure or e
+      failure, reason = failure or e, "stopped"
     mngr.close()
+    writer.end(loop.step, reason)  # an evaluation job stops waiting on it
     writer.close()
   if failure is not None:
     mngr.reload()  # what is on disk, not orbax's in-memory list
@@ -213,23 +217,29 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   return last
 
 
+@dataclasses.dataclass
 class _Loop:
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
 
-  def __init__(self, config, wd, train_step, tx, train_iter, evaluator, mngr, writer):
-    self.config, self.wd, self.train_step, self.tx = config, wd, train_step, tx
-    self.train_iter, self.evaluator = train_iter, evaluator
-    self.mngr, self.writer = mngr, writer
+  config: object
+  wd: Workdir
+  train_step: object  # (state, this process's batch) -> (state, metrics)
+  tx: object  # the optimizer, for a fresh state per curriculum stage
+  train_iter: object
+  evaluator: evaluate.Evaluator
+  mngr: object
+  writer: metrics.Writer
+  step: int  # the state's step: where a stopped run stopped
 
-  def run(self, state, start: int, preempt):
+  def run(self, state, preempt):
     config = self.config
     num_steps, eval_every = config.train.num_steps, config.eval_every
-    progress = metrics.Progress(num_steps, start)
-    last, pending, step, saved = {}, None, start, start
+    progress = metrics.Progress(num_steps, self.step)
+    last, pending, step, saved = {}, None, self.step, self.step
     try:
       while step < num_steps and not preempt.requested(step):
         state, step_metrics = self.train_step(state, next(self.train_iter))
-        step += 1
+        step = self.step = step + 1
         if pending is not None:  # step - 1's numbers: ready by now, no stall
           last |= _check_finite(*pending)
         pending = (step, step_metrics)
@@ -243,7 +253,8 @@ class _Loop:
         if eval_every and (step % eval_every == 0 or done):
           state, last, reached = self._evaluate(state, step, last)
           if reached:
-            progress.write(f"step {step}: reached {', '.join(reached)}")
+            names = [n.replace("stage_", "curriculum stage ") for n in reached]
+            progress.write(f"step {step}: reached {', '.join(names)}")
         if step % config.checkpoint.every == 0 or done or reached:
           if pending is not None:  # never save past a step whose numbers are bad
             last |= _check_finite(*pending)

@@ -60,8 +60,8 @@ def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str
 
 def write_atomic(path: Path, text: str) -> None:
   """Whole files only: another process (an evaluation job, another host) may be
-  reading them."""
-  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  reading them. One writer per file (the locks), so one temporary name."""
+  tmp = path.with_name(f".{path.name}.tmp")
   tmp.write_text(text)
   os.replace(tmp, path)
 
@@ -118,25 +118,19 @@ class Workdir:
         f"--workdir={self.path}: cannot write there ({e.strerror or e})"
       ) from e
 
-  @contextlib.contextmanager
-  def exclusive(self):
-    """One trainer per workdir: a second would interleave checkpoints and logs.
+  def exclusive(self, role: str = "train"):
+    """One trainer (role "train", per process) or one evaluation job ("follow")
+    per workdir: a second would interleave checkpoints, logs or evaluations.
     The OS drops the lock when the process ends, however it ends."""
-    with open(self.path / f".train-{jax.process_index()}.lock", "a+") as f:
-      try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-      except BlockingIOError:
-        f.seek(0)
-        raise ConfigError(
-          f"--workdir={self.path}: another process (pid "
-          f"{f.read().strip() or '?'}) is training there; wait for it to end or "
-          "use a new --workdir"
-        ) from None
-      f.seek(0)
-      f.truncate()
-      f.write(f"{os.getpid()}\n")
-      f.flush()
-      yield
+    if role == "train":
+      path, doing = (
+        self.path / f".train-{jax.process_index()}.lock",
+        "is training there",
+      )
+    else:  # the evaluation job writes under eval/ only
+      path, doing = self.path / "eval" / ".follow.lock", "is following it"
+      path.parent.mkdir(exist_ok=True)
+    return _locked(path, f"--workdir={self.path}: another process", doing)
 
   def record(self, config, task, phases=()) -> None:
     """Writes config.json, dataset.json and phases.json (each of `phases` null
@@ -196,10 +190,8 @@ class Workdir:
     """The orbax manager of `checkpoints/`: keeps the last `cfg.keep`, every
     `cfg.keep_every`-th step, and the steps of reached phases. `read_only`:
     for readers beside a trainer (evaluation), which create and delete nothing."""
-    if read_only:
-      options = ocp.CheckpointManagerOptions(
-        read_only=True, create=False, save_interval_steps=0
-      )
+    if read_only:  # it never saves, so it never deletes either
+      options = ocp.CheckpointManagerOptions(create=False)
       return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
     cm = ocp.checkpoint_managers
     policies = [cm.LatestN(n=cfg.keep), _Kept(self)]
@@ -211,6 +203,24 @@ class Workdir:
       create=True,
     )
     return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, who: str, doing: str):
+  with open(path, "a+") as f:
+    try:
+      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      f.seek(0)
+      raise ConfigError(
+        f"{who} (pid {f.read().strip() or '?'}) {doing}; wait for it to end or "
+        "use a new --workdir"
+      ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    yield
 
 
 class _Kept:

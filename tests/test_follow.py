@@ -1,15 +1,18 @@
 """`--mode=eval --follow`: an evaluation job beside a live training run."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 from conftest import CPU_ENV, cli, steps_on_disk
 
 from loopjax import data, evaluate, follow, metrics, train
+from loopjax.errors import ConfigError
 from loopjax.workdir import Workdir
 
 STEPS = [
@@ -90,29 +93,62 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
     report["splits"]["test_inferred_id"]["acc"]["2"]
     == want["eval/test_inferred_id/acc"]
   )
-  assert any((workdir / "tb" / "eval").iterdir())
+  assert len(list((workdir / "tb").glob("events.*.eval_job"))) == 2  # 2 followers
 
 
-def test_a_checkpoint_deleted_before_its_turn_is_skipped(tiny_config, tmp_path, capsys):
+@pytest.fixture
+def finished(tiny_config, tmp_path):
+  """A 40-step run with checkpoints at 20 and 40 and no in-loop evaluation."""
   tiny_config.train.num_steps = 40
   tiny_config.checkpoint.update(every=20, keep=5)
   tiny_config.eval_every = 0
-  workdir = tmp_path / "run"
-  train.train_and_evaluate(tiny_config, workdir)
-  wd = Workdir(workdir)
-  task = data.load(tiny_config.data)
-  reader = evaluate.Reader(tiny_config, workdir, task)
-  evaluator = evaluate.Evaluator(reader.graphdef, tiny_config, task)
-  writer = metrics.Writer(workdir / "eval/metrics.jsonl", workdir / "tb/eval")
-  import shutil
+  train.train_and_evaluate(tiny_config, tmp_path / "run")
+  return tiny_config, tmp_path / "run"
 
+
+def test_a_checkpoint_deleted_before_its_turn_is_skipped(finished, capsys):
+  config, workdir = finished
+  task = data.load(config.data)
+  job = follow._Job(
+    Workdir(workdir), config, task, evaluate.Reader(config, workdir, task), False
+  )
   shutil.rmtree(workdir / "checkpoints" / "20")  # the trainer's keep policy, say
-  args = (wd, tiny_config, task, reader, evaluator, writer)
-  assert not follow._evaluate(*args, 20, False)
+  job.evaluate(20)
   assert "checkpoint 20 was deleted before it was evaluated; skipped" in (
     capsys.readouterr().out
   )
-  assert follow._evaluate(*args, 40, False)
+  job.evaluate(40)
+  job.close()
+  assert _evaluated(workdir) == [40] and job.done == {20, 40}
+  phases = json.loads((workdir / "eval" / "phases.json").read_text())
+  assert set(phases) == {"memorize", "id", "ood"}  # detected from its evaluations
+
+
+def test_a_trainer_that_stopped_early_ends_the_follower(finished):
+  config, workdir = finished
+  config.train.num_steps = 100  # what the trainer was asked for
+  with open(workdir / "metrics.jsonl", "a") as f:  # its end record, after ours
+    end = {"step": 40, "time": time.time() + 60, "event": "end", "reason": "stopped"}
+    f.write(json.dumps(end) + "\n")
+  with pytest.raises(follow.TrainerStopped, match="stopped at step 40 \\(stopped\\)"):
+    follow.follow(workdir, config, poll_s=0.01)
+  assert _evaluated(workdir) == [20, 40]  # everything it saved, first
+
+
+def test_one_follower_per_workdir(finished):
+  config, workdir = finished
+  with Workdir(workdir).exclusive("follow"):
+    with pytest.raises(ConfigError, match="another process .* is following it"):
+      follow.follow(workdir, config, poll_s=0.01)
+
+
+def test_a_line_cut_short_by_a_kill_is_dropped_before_appending(tmp_path):
+  log = tmp_path / "metrics.jsonl"
+  log.write_text('{"step": 20, "a": 1.0}\n{"step": 40, "a"')
+  writer = metrics.Writer(log, tmp_path / "tb")
+  writer.write(40, {"a": 2.0})
   writer.close()
-  reader.close()
-  assert _evaluated(workdir) == [40]
+  assert [(r["step"], r["a"]) for r in metrics.read_jsonl(log)] == [
+    (20, 1.0),
+    (40, 2.0),
+  ]

@@ -35,23 +35,6 @@ def table(model, probes: dict, config, pad: int):
   """[{criterion, thresholds..., splits: {split: {acc, iterations}}}] over the
   `analyze.halting` grid; the initial state drawn as evaluations draw it."""
   cfg, key = config.analyze.halting, eval_key(config)
-
-  @functools.partial(jax.jit, static_argnames="criterion")
-  def run(model, batch, eps, tau, patience, *, criterion):
-    logp_BV, iters_B = halting.adaptive(
-      model.module(),
-      batch["inputs"],
-      batch["answer_pos"],
-      criterion=criterion,
-      r_min=cfg.r_min,
-      r_max=cfg.r_max,
-      eps=eps,
-      tau=tau,
-      patience=patience,
-      key=key,
-    )
-    return logp_BV.argmax(-1) == batch["target"], iters_B
-
   rows = []
   for s in settings(cfg):
     kw = {
@@ -59,11 +42,13 @@ def table(model, probes: dict, config, pad: int):
       "tau": s.get("tau", 0.0),
       "patience": s.get("patience", 0),
       "criterion": s["criterion"],
+      "r_min": cfg.r_min,
+      "r_max": cfg.r_max,
     }
     splits = {}
     for name, split in probes.items():
       correct_N, iters_N = pipeline.map_batches(
-        lambda b: run(model, b, **kw), split, config.eval.batch_size, pad
+        lambda b: _answers(model, b, key, **kw), split, config.eval.batch_size, pad
       )
       splits[name] = {
         "acc": float(correct_N.mean()),
@@ -71,3 +56,21 @@ def table(model, probes: dict, config, pad: int):
       }
     rows.append(s | {"splits": splits})
   return rows
+
+
+@functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max"))
+def _answers(model, batch, key, eps, tau, patience, *, criterion, r_min, r_max):
+  """(correct, iterations) per example; compiled once per graph and rule."""
+  logp_BV, iters_B = halting.adaptive(
+    model.module(),
+    batch["inputs"],
+    batch["answer_pos"],
+    criterion=criterion,
+    r_min=r_min,
+    r_max=r_max,
+    eps=eps,
+    tau=tau,
+    patience=patience,
+    key=key,
+  )
+  return logp_BV.argmax(-1) == batch["target"], iters_B

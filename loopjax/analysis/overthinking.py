@@ -5,6 +5,8 @@ beyond its training depth may undo the answer ("overthinking"): the margin
 (answer logit minus the best other logit) then shrinks and accuracy falls.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -27,19 +29,23 @@ def curves(model, probes: dict, config, pad: int):
   """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations, up to
   `analyze.max_depth`; the initial state drawn as evaluations draw it."""
   max_depth, key = config.analyze.max_depth, eval_key(config)
-
-  @jax.jit
-  def step(model, batch):
-    logits_RBV = logits_per_iteration(model, batch, max_depth, key)
-    return margin(logits_RBV, batch["target"])
-
   out = {}
   for name, split in probes.items():
     margin_RN = pipeline.map_batches(
-      lambda b: step(model, b), split, config.eval.batch_size, pad, axis=1
+      lambda b: _margins(model, b, key, max_depth),
+      split,
+      config.eval.batch_size,
+      pad,
+      axis=1,
     )
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),
       "margin": margin_RN.mean(1).tolist(),
     }
   return out
+
+
+@functools.partial(jax.jit, static_argnames="max_depth")
+def _margins(model, batch, key, max_depth: int):
+  """Compiled once per model graph and depth, for any params (followed checkpoints)."""
+  return margin(logits_per_iteration(model, batch, max_depth, key), batch["target"])

@@ -160,9 +160,12 @@ def _prepared(data_cfg):
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
     builder = _builder(data_cfg)
     if not builder.is_prepared():
-      if not sys.stderr.isatty():  # logs (SLURM, nohup): no carriage-return bars
-        tfds.disable_progress_bar()
-      builder.download_and_prepare(file_format="array_record")
+      bars = sys.stderr.isatty()  # logs (SLURM, nohup): no carriage-return bars
+      tfds.display_progress_bar(bars)
+      try:
+        builder.download_and_prepare(file_format="array_record")
+      finally:
+        tfds.display_progress_bar(True)  # TFDS's default
   return builder
 
 
