@@ -315,12 +315,18 @@ def _validate_mesh(c) -> None:
       f"devices); got {', '.join(f'{a}={s}' for a, s in named.items())}"
     )
   for rule in c.sharding.rules:
-    axes = rule[1] if len(rule) == 2 else "?"
-    named = [] if axes is None else [axes] if isinstance(axes, str) else list(axes)
-    if len(rule) != 2 or any(x not in ("data", "fsdp", "tensor") for x in named):
+    pair = isinstance(rule, tuple | list) and len(rule) == 2
+    axes = rule[1] if pair else "?"
+    named = [] if axes is None else [axes] if isinstance(axes, str) else axes
+    if (
+      not pair
+      or not isinstance(rule[0], str)
+      or not isinstance(named, tuple | list)
+      or any(x not in ("data", "fsdp", "tensor") for x in named)
+    ):
       raise ConfigError(
         "sharding.rules: each must be (logical name, mesh axis or axes or None) "
-        f"with mesh axes data, fsdp, tensor; got {tuple(rule)!r}"
+        f"with mesh axes data, fsdp, tensor; got {rule!r}"
       )
 
 
