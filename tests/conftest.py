@@ -77,3 +77,17 @@ CPU_ENV = os.environ | {"JAX_PLATFORMS": "cpu"}
 def run(cmd):
   """Runs a command to completion on the CPU backend; output captured as text."""
   return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+
+
+def as_ltg_writes_it(out) -> None:
+  """An exported k-hop directory rewritten as LTG's create_dataset.py writes it:
+  one json.dump line per file, train.json's k-hop chains typed '<k-2>hop_train'."""
+  import json
+
+  for path in out.iterdir():
+    items = json.loads(path.read_text())
+    if path.name == "train.json":
+      for x in items:
+        if x["type"] != "atomic":
+          x["type"] = f"{int(x['type'].split('hop')[0]) - 2}hop_train"
+    path.write_text(json.dumps(items))

@@ -9,6 +9,7 @@ from pathlib import Path
 import ml_collections
 import numpy as np
 import pytest
+from conftest import as_ltg_writes_it
 
 import loopjax.data
 from loopjax import config as config_lib
@@ -207,7 +208,10 @@ def test_json_malformed_names_file_and_line(
 ):
   grokked_json.export(data, tmp_path)
   _corrupt(tmp_path / file, line, old, new)
-  with pytest.raises(ValueError, match=rf"^{file} line {line}: ") as e:
+  # item i of an exported file is on line i + 2 (the list opens on line 1)
+  with pytest.raises(
+    ValueError, match=rf"^{file} item {line - 2} \(line {line}\): "
+  ) as e:
     grokked_json.load(tmp_path)
   assert message in str(e.value) and "\n" not in str(e.value)
 
@@ -219,7 +223,10 @@ def test_json_wrong_answer_is_caught(data, tmp_path):
   answer = item["target_text"][len(item["input_text"]) : -len("</a>")]
   wrong = "<e_1>" if answer != "<e_1>" else "<e_2>"
   _corrupt(tmp_path / "test.json", last, f"{answer}</a>", f"{wrong}</a>")
-  with pytest.raises(ValueError, match=rf"^test.json line {last}: the answer does not"):
+  with pytest.raises(
+    ValueError,
+    match=rf"^test.json item {last - 2} \(line {last}\): the answer does not",
+  ):
     grokked_json.load(tmp_path)
 
 
@@ -432,15 +439,18 @@ def test_chains_ltg_json_round_trip(chains, tmp_path):
   _assert_same_chains(loopjax.data.load(cfg), chains)
 
 
-def test_chains_json_errors_name_the_line(chains, tmp_path):
+def test_chains_json_errors_name_the_item_and_line(chains, tmp_path):
   grokked_json.export(chains, tmp_path)
   path = tmp_path / "test.json"
   _corrupt(path, 2, '"2hop_test"', '"2hop_quiz"')
-  with pytest.raises(config_lib.ConfigError, match="test.json line 2: unknown type"):
+  with pytest.raises(
+    config_lib.ConfigError, match=r"^test.json item 0 \(line 2\): unknown type"
+  ):
     grokked_json.load(tmp_path, "chains")
-  grokked_json.export(chains, tmp_path)
-  _corrupt(path, 2, '"2hop_test"', '"3hop_test"')
-  with pytest.raises(config_lib.ConfigError, match="line 2: type '3hop_test' does not"):
+  # One json.dump line, as the papers' scripts write it: the item's index.
+  items = json.loads(path.read_text())
+  path.write_text(json.dumps(items))
+  with pytest.raises(config_lib.ConfigError, match=r"^test.json item 0: unknown type"):
     grokked_json.load(tmp_path, "chains")
   grokked_json.export(chains, tmp_path)
   lines = path.read_text().split("\n")
@@ -450,9 +460,37 @@ def test_chains_json_errors_name_the_line(chains, tmp_path):
   lines[1] = json.dumps(item) + ","
   path.write_text("\n".join(lines))
   with pytest.raises(
-    config_lib.ConfigError, match="line 2: the answer does not follow"
+    config_lib.ConfigError, match=r"item 0 \(line 2\): the answer does not follow"
   ):
     grokked_json.load(tmp_path, "chains")
+
+
+def test_chains_in_ltgs_own_files_load_as_they_are(chains, tmp_path, capsys):
+  """The official files: off-by-two train labels, one line, LTG's vocab.json
+  (entities, relations, six special tokens) and test.json's three kinds."""
+  grokked_json.export(chains, tmp_path)
+  as_ltg_writes_it(tmp_path)
+  assert (tmp_path / "train.json").read_text().count("\n") == 0
+  assert json.loads((tmp_path / "vocab.json").read_text())[-6:] == list(
+    grokked_json.SPECIALS
+  )
+  cfg = ml_collections.ConfigDict(
+    {"source": f"grokked_json:{tmp_path}", "task": "chains"}
+  )
+  _assert_same_chains(loopjax.data.load(cfg), chains)  # nothing dropped or moved
+  err = capsys.readouterr().err.strip().splitlines()
+  n_chains = sum(len(chains.splits[f"train_k{k}"]["target"]) for k in range(2, 6))
+  assert len(err) == 1 and err[0].startswith(
+    f"warning: train.json: {n_chains} of {n_chains + 80} items are labelled with "
+    "another hop count than their chain has (4 labels, e.g. '0hop_train' on 2-hop"
+  )
+
+
+def test_a_mislabelled_test_chain_counts_as_its_chain(chains, tmp_path, capsys):
+  grokked_json.export(chains, tmp_path)
+  _corrupt(tmp_path / "test.json", 2, '"2hop_test"', '"3hop_test"')
+  _assert_same_chains(grokked_json.load(tmp_path, "chains"), chains)
+  assert "warning: test.json: 1 of" in capsys.readouterr().err
 
 
 def test_train_split_is_a_curriculum_stage_and_probes_sample(chains):

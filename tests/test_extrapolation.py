@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import losses, run
+from conftest import as_ltg_writes_it, losses, run
 
 from experiments import extrapolation
 from loopjax import curriculum, evaluate, metrics, train
@@ -196,3 +196,18 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
   got = overthinking.curves(model, ev.probes, config, task.vocab.pad_id)
   for name, res in want.items():
     np.testing.assert_allclose(got[name]["acc"], [res["acc"][d] for d in (1, 2, 3)])
+
+
+def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
+  """The official on-disk format (off-by-two labels, one line per file) trains
+  with data.source=grokked_json:DIR on the very examples generated ones hold."""
+  from loopjax import data
+  from loopjax.data import grokked_json
+
+  grokked_json.export(data.load(config.data), tmp_path / "ltg")
+  as_ltg_writes_it(tmp_path / "ltg")
+  config.data.source = f"grokked_json:{tmp_path / 'ltg'}"
+  config.train.num_steps = 20
+  train.train_and_evaluate(config, tmp_path / "run")
+  want = {s: v for s, v in losses(whole).items() if s <= 20}
+  assert losses(tmp_path / "run") == want

@@ -2,11 +2,16 @@
 LTG's k-hop chains.
 
 Lets loopjax train and evaluate on the very examples the papers' scripts made, and
-hand ours back to their code. The format is described in DATA_FORMATS.md.
+hand ours back to their code. The formats are described in docs/data_formats.md.
+Files are read as the papers' scripts write them (one `json.dump` line) or as
+`export` writes them (one item a line); an error names the file, the item's
+index in its list and, where the file has several lines, the line.
 """
 
 import json
 import re
+import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +37,7 @@ def _names(vocab: kg.Vocab) -> list[str]:
 
 
 def export(data: kg.TaskData, out_dir) -> None:
-  """Writes the papers' files for the task (DATA_FORMATS.md)."""
+  """Writes the papers' files for the task (docs/data_formats.md)."""
   out_dir = Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   names = _names(data.vocab) + [""]  # pad prints as nothing
@@ -103,7 +108,7 @@ def load(dir_, task: str = "composition") -> kg.TaskData:
     *(
       sum(
         bool(re.fullmatch(rf"<{kind}_\d+>", token))
-        for _, token in _items(dir_ / "vocab.json", str)
+        for _, _, token in _items(dir_ / "vocab.json", str)
       )
       for kind in "er"
     )
@@ -134,42 +139,83 @@ def _composition_len(type_) -> int:
 _HOP_TYPE = re.compile(r"(\d+)hop_(train|test)")
 
 
-def _chain_len(atomic: str, splits: tuple[str, ...]):
-  """The input length of a k-hop file's type: `atomic` for its atomic facts,
-  `<k>hop_<split>` (k >= 2) for chains."""
-
-  def length(type_) -> int:
-    if type_ == atomic:
-      return 2
-    m = _HOP_TYPE.fullmatch(type_) if isinstance(type_, str) else None
-    if not (m and int(m[1]) >= 2 and m[2] in splits):
-      kinds = " or ".join(f"<k>hop_{s}" for s in splits)
-      raise ValueError(f"unknown type {type_!r}; expected {atomic} or {kinds}")
-    return int(m[1]) + 1
-
-  return length
+def _chain_kind(type_, atomic: str, splits: tuple[str, ...]) -> tuple[str, int]:
+  """(split, the hop count the label names) of a k-hop file's type: `atomic`
+  for atomic facts (1 hop), `<k>hop_<split>` for chains. The label's count is
+  not trusted (LTG's create_dataset.py labels train.json's k-hop chains
+  `<k-2>hop_train`): the chain's own length decides."""
+  if type_ == atomic:
+    return "atomic", 1
+  m = _HOP_TYPE.fullmatch(type_) if isinstance(type_, str) else None
+  if not (m and m[2] in splits):
+    kinds = " or ".join(f"<k>hop_{s}" for s in splits)
+    raise ValueError(f"unknown type {type_!r}; expected {atomic} or {kinds}")
+  return m[2], int(m[1])
 
 
 def _load_chains(dir_: Path, vocab: kg.Vocab, ids: dict) -> kg.TaskData:
   """Atomic facts and train chains from train.json, test chains from test.json
   (its sampled atomic facts and train chains repeat train.json's)."""
-  train = _facts(dir_ / "train.json", vocab, ids, _chain_len("atomic", ("train",)), 2)
-  test = _facts(
-    dir_ / "test.json", vocab, ids, _chain_len("atomic_facts", ("test", "train")), 2
+  train = _typed_chains(dir_ / "train.json", vocab, ids, "atomic", ("train",))
+  test = _typed_chains(
+    dir_ / "test.json", vocab, ids, "atomic_facts", ("test", "train")
   )
+  bad = np.flatnonzero((test["split"] == "test") & (test["hops"] < 2))
+  if len(bad):
+    raise ConfigError(
+      f"{_place('test.json', test, bad[0])}: a test chain needs >= 2 hops"
+    )
   K = max(train["inputs"].shape[1], test["inputs"].shape[1]) - 1
   tail_ER = _atomic_table(train, vocab)
-  splits = {"atomic": _chains(train, tail_ER, vocab, "train.json", K, "atomic")}
+  hops = train["hops"]
+  splits = {"atomic": _chains(train, tail_ER, vocab, "train.json", K, hops == 1)}
   for k in range(2, K + 1):
-    splits[f"train_k{k}"] = _chains(
-      train, tail_ER, vocab, "train.json", K, f"{k}hop_train"
-    )
-    splits[f"test_k{k}"] = _chains(test, tail_ER, vocab, "test.json", K, f"{k}hop_test")
+    splits[f"train_k{k}"] = _chains(train, tail_ER, vocab, "train.json", K, hops == k)
+    in_test = (test["split"] == "test") & (test["hops"] == k)
+    splits[f"test_k{k}"] = _chains(test, tail_ER, vocab, "test.json", K, in_test)
   return kg.TaskData(vocab, splits, "chains")
 
 
+def _typed_chains(path: Path, vocab, ids, atomic: str, splits) -> dict:
+  """A k-hop file's rows with each one's split and hop count (its chain's);
+  labels that name another count are reported once, with counts."""
+  rows = _facts(path, vocab, ids, None, width=2)
+  kinds = []
+  for i, type_ in enumerate(rows["type"]):
+    try:
+      kinds.append(_chain_kind(type_, atomic, splits))
+    except ValueError as e:
+      raise ConfigError(f"{_place(path.name, rows, i)}: {e}") from None
+  split, named = zip(*kinds, strict=True) if kinds else ((), ())
+  rows["split"] = np.array(split, object)
+  rows["hops"] = (rows["inputs"] != vocab.pad_id).sum(1) - 1
+  off = Counter(
+    (t, int(h))
+    for t, h, n in zip(rows["type"], rows["hops"], named, strict=True)
+    if h != n
+  )
+  if off:
+    (t, h), _ = off.most_common(1)[0]
+    print(
+      f"warning: {path.name}: {sum(off.values())} of {len(named)} items are "
+      f"labelled with another hop count than their chain has ({len(off)} labels, "
+      f"e.g. {t!r} on {h}-hop chains; LTG's create_dataset.py labels k-hop train "
+      "chains '<k-2>hop_train'); each counts as its chain's hops",
+      file=sys.stderr,
+    )
+  return rows
+
+
+def _place(file: str, rows: dict, i: int) -> str:
+  """Where row i came from: its index in the file's list and, when the file
+  has several lines, its line."""
+  line = rows["line"][i]
+  return f"{file} item {rows['index'][i]}" + (f" (line {line})" if line > 1 else "")
+
+
 def _items(path: Path, kind=dict):
-  """Yields (line, item) for each item of the JSON list in path, parsed one by one."""
+  """Yields (index, line, item) for each item of the JSON list in path, parsed
+  one by one."""
   try:
     text = path.read_text()
   except FileNotFoundError:
@@ -177,43 +223,48 @@ def _items(path: Path, kind=dict):
   except OSError as e:  # a directory, a path under a file, no permission
     raise ConfigError(f"{path}: cannot read ({e.strerror or e})") from None
 
-  def fail(pos, message):
+  def fail(pos, message, index=None):
     line = text.count("\n", 0, pos) + 1
-    return ConfigError(f"{path.name} line {line}: {message}")
+    where = f" item {index}" if index is not None else ""
+    where += f" (line {line})" if line > 1 else f" (character {pos})"
+    return ConfigError(f"{path.name}{where}: {message}")
 
   decoder = json.JSONDecoder()
   if not (opening := _OPENING.match(text)):
     raise fail(_SPACE.match(text).end(), "invalid JSON: expected a list")
   pos, end, line, counted = opening.end(), opening[1] is not None, 1, 0
+  index = 0
   while not end:
     try:
       item, stop = decoder.raw_decode(text, pos)
     except json.JSONDecodeError as e:
-      raise ConfigError(f"{path.name} line {e.lineno}: invalid JSON: {e.msg}") from None
+      raise fail(e.pos, f"invalid JSON: {e.msg}", index) from None
     line, counted = line + text.count("\n", counted, pos), pos
     if not isinstance(item, kind):
-      raise ConfigError(f"{path.name} line {line}: expected a JSON {kind.__name__}")
-    yield line, item
+      raise fail(pos, f"expected a JSON {kind.__name__}", index)
+    yield index, line, item
     if not (separator := _SEPARATOR.match(text, stop)):
-      raise fail(stop, "invalid JSON: expected ',' or ']'")
-    pos, end = separator.end(), separator[1] == "]"
+      raise fail(stop, "invalid JSON: expected ',' or ']'", index)
+    pos, end, index = separator.end(), separator[1] == "]", index + 1
   if pos != len(text):
     raise fail(pos, "invalid JSON: extra data after the list")
 
 
 def _facts(path: Path, vocab: kg.Vocab, ids: dict, length, width: int = 0) -> dict:
   """Every example's token ids, checked, as columns (inputs padded to the longest,
-  at least `width`) plus its line and type; `length(type)` is the input length
-  the type implies (None: any)."""
+  at least `width`) plus its index, line and type; `length(type)` is the input
+  length the type implies (None: up to 3 tokens); `length` None: any length."""
   rows = []
-  for line, item in _items(path):
+  for index, line, item in _items(path):
     try:
-      rows.append((line, *_example(item, vocab, ids, length)))
+      rows.append((index, line, *_example(item, vocab, ids, length)))
     except ValueError as e:
-      raise ConfigError(f"{path.name} line {line}: {e}") from None
-  line, inputs, target, type_ = zip(*rows, strict=True) if rows else ([],) * 4
+      where = f"item {index}" + (f" (line {line})" if line > 1 else "")
+      raise ConfigError(f"{path.name} {where}: {e}") from None
+  index, line, inputs, target, type_ = zip(*rows, strict=True) if rows else ([],) * 5
   T = max([width, *map(len, inputs)])
   return {
+    "index": np.array(index, int),
     "line": np.array(line, int),
     "inputs": np.array(
       [x + [vocab.pad_id] * (T - len(x)) for x in inputs], np.int32
@@ -228,18 +279,18 @@ def _example(item: dict, vocab: kg.Vocab, ids: dict, length) -> tuple:
   type_ = item.get("type")
   if not (isinstance(text, str) and isinstance(target_text, str)):
     raise ConfigError("input_text and target_text must be strings")
-  want = length(type_)
+  want = length(type_) if length is not None else None
   inputs, target = _token_ids(text, ids), _token_ids(target_text, ids)
   E = vocab.num_entities
   if not (
     len(inputs) >= 2
-    and (want is not None or len(inputs) <= 3)
+    and (want is not None or length is None or len(inputs) <= 3)
     and 0 <= inputs[0] < E
     and all(E <= i < vocab.pad_id for i in inputs[1:])
   ):
     raise ConfigError(
       "input_text must be one entity followed by "
-      + ("one or two relations" if want is None else "relations")
+      + ("one or two relations" if want is None and length else "relations")
     )
   if want is not None and len(inputs) != want:
     raise ConfigError(f"type {type_!r} does not match a {len(inputs)}-token input")
@@ -271,9 +322,11 @@ def _atomic_table(train, vocab: kg.Vocab) -> np.ndarray:
   tail_ER[h, r] = train["target"][atomic]
   clash = np.flatnonzero(tail_ER[h, r] != train["target"][atomic])
   if len(clash):
+    where = _place(
+      "train.json", {k: train[k][atomic] for k in ("index", "line")}, clash[0]
+    )
     raise ConfigError(
-      f"train.json line {train['line'][atomic][clash[0]]}: another "
-      "atomic fact gives this head and relation a different tail"
+      f"{where}: another atomic fact gives this head and relation a different tail"
     )
   return tail_ER
 
@@ -295,8 +348,8 @@ def _walk(rows, tail_ER, vocab: kg.Vocab, file: str):
   bad = np.flatnonzero(answer_N != rows["target"])
   if len(bad):
     raise ConfigError(
-      f"{file} line {rows['line'][bad[0]]}: the answer does not "
-      "follow from the atomic facts in train.json"
+      f"{_place(file, rows, bad[0])}: the answer does not follow from the atomic "
+      "facts in train.json"
     )
   return walk_NJ, hops_N
 
@@ -311,9 +364,8 @@ def _composition(rows, tail_ER, vocab: kg.Vocab, file: str) -> kg.Split:
   }
 
 
-def _chains(rows, tail_ER, vocab: kg.Vocab, file: str, K: int, type_: str) -> kg.Split:
-  """The rows of one type, padded to K hops, checked, with their bridges."""
-  keep = rows["type"] == type_
+def _chains(rows, tail_ER, vocab: kg.Vocab, file: str, K: int, keep) -> kg.Split:
+  """The rows `keep` selects, padded to K hops, checked, with their bridges."""
   rows = {k: v[keep] for k, v in rows.items()}
   pad = np.full((len(rows["target"]), K + 1 - rows["inputs"].shape[1]), vocab.pad_id)
   rows["inputs"] = np.concatenate([rows["inputs"], pad], 1).astype(np.int32)
