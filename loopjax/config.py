@@ -139,10 +139,12 @@ def base() -> ml_collections.ConfigDict:
     lens_phases=True,
     halting=dict(
       criteria=tuple(halting.CRITERIA),
-      r_min=1,
+      r_min=2,  # LTG: iteration t against t - 1 from the second iteration on
       r_max=16,
-      eps=(1e-4, 1e-3, 1e-2, 1e-1),
+      eps=(1e-4, 1e-3, 1e-2, 1e-1, 0.5),
       tau=3.0,  # kl_entropy's entropy bound
+      tau_len=12.0,  # kl_entropy_len's: tau + tau_len / seq_len
+      seq_len=50,  # LTG pads every sequence to 50 tokens; 0: the batch's length
       tau_grid=(0.1, 0.3, 1.0, 3.0),  # entropy-only thresholds
       patience=(1, 2, 4),
     ),
@@ -193,6 +195,7 @@ _BOUNDS = {
       "model.num_coda",
       "train.warmup_steps",
       "checkpoint.keep_every",
+      "analyze.halting.seq_len",
     ),
     _AT_LEAST_0,
   ),

@@ -3,10 +3,16 @@
 `adaptive` runs the shared core in a `lax.while_loop` (one compiled program for
 any number of iterations). After iteration t, example i halts when t >= r_min
 and its criterion holds; a halted example's state and answer stop changing, and
-the loop ends when every example has halted or at r_max. Criteria (p_t: the
-answer distribution after iteration t, h_t: the state):
+the loop ends when every example has halted or at r_max. LTG compares an
+iteration with the one before from the second on: r_min = 2 (r_min = 1 also
+compares the first with the readout of the initial state). Criteria (p_t: the
+answer distribution after iteration t, h_t: the state, T: the sequence length):
 
-  kl_entropy  KL(p_t || p_{t-1}) < eps and H(p_t) < tau (LTG's rule)
+  kl_entropy      KL(p_t || p_{t-1}) < eps and H(p_t) < tau (LTG's rule; its
+                  inference script: eps 1e-3, tau 3, up to 16 iterations)
+  kl_entropy_len  KL(p_t || p_{t-1}) < eps and H(p_t) < tau + tau_len / T (LTG's
+                  evaluation in training: eps 0.5, 3 + 12 / T with T its padded
+                  length 50, up to 8 iterations; `seq_len` sets T, 0: the batch's)
   kl          KL(p_t || p_{t-1}) < eps
   kl_reverse  KL(p_{t-1} || p_t) < eps
   entropy     H(p_t) < tau
@@ -31,6 +37,8 @@ def adaptive(
   r_max: int = 16,
   eps: float = 1e-3,
   tau: float = 3.0,
+  tau_len: float = 12.0,
+  seq_len: int = 0,
   patience: int = 2,
   unroll: int = 4,
   key=None,
@@ -42,7 +50,8 @@ def adaptive(
   `unroll - 1` iterations are computed after the last example halts.
   """
   settled_fn = CRITERIA[criterion]
-  limits = Limits(eps, tau, patience)
+  T = seq_len or tokens_BT.shape[1]
+  limits = Limits(eps, tau, patience, tau + tau_len / T)
   x_BTD, h_BTD = model.encode(tokens_BT, key)
   logp_BV = jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
   B = tokens_BT.shape[0]
@@ -100,6 +109,7 @@ class Limits(NamedTuple):
   eps: float
   tau: float
   patience: int
+  tau_seq: float  # kl_entropy_len's entropy bound, tau + tau_len / T
 
 
 def _kl(logp, logq):
@@ -121,6 +131,9 @@ def _latent(s: Step, eps):
 CRITERIA = {
   "kl_entropy": lambda s, l: (
     (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau)
+  ),
+  "kl_entropy_len": lambda s, l: (
+    (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau_seq)
   ),
   "kl": lambda s, l: _kl(s.logp, s.logp_prev) < l.eps,
   "kl_reverse": lambda s, l: _kl(s.logp_prev, s.logp) < l.eps,

@@ -130,6 +130,13 @@ def test_next_stage_and_entering_it_optionally_resets_the_optimizer(config, rese
   assert curriculum.next_stage(config, 4, {"eval/test_k4/acc": 1.0}) is None
 
 
+def test_avg_t_first_is_ltgs():
+  """The mean first iteration (1-based) right, over examples ever right."""
+  correct_RN = np.array([[0, 1, 0, 0], [1, 1, 0, 0], [1, 0, 0, 0]], bool)
+  assert overthinking.avg_t_first(correct_RN) == 1.5  # (2 + 1) / 2
+  assert overthinking.avg_t_first(np.zeros((3, 2), bool)) is None
+
+
 def test_margin_matches_numpy():
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(3, 5, 7)).astype(np.float32)
@@ -178,7 +185,7 @@ def test_analyze_agrees_with_evaluation(config, whole):
   for name, res in fixed["splits"].items():  # fixed = all r_max iterations
     assert res["iterations"] == 6
     assert res["acc"] == pytest.approx(curves["overthinking"][name]["acc"][5])
-  assert len(rows) == 1 + 4 + 3  # fixed, 4 eps, 3 patience values
+  assert len(rows) == 1 + 5 + 3  # fixed, 5 eps, 3 patience values
   for r in rows:
     for res in r["splits"].values():
       assert 1 <= res["iterations"] <= 6

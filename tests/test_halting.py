@@ -49,17 +49,19 @@ def _signals(hs, logps):
 
 
 @pytest.mark.parametrize(
-  "criterion", ["kl_entropy", "kl", "kl_reverse", "entropy", "latent", "argmax"]
+  "criterion",
+  ["kl_entropy", "kl_entropy_len", "kl", "kl_reverse", "entropy", "latent", "argmax"],
 )
 def test_halts_where_the_reference_says(setup, criterion):
   model, tokens, pos, hs, logps = setup
   kl, kl_rev, ent, latent, streak = _signals(hs, logps)
   eps = {"kl": np.median(kl[R_MIN - 1 :]), "kl_reverse": np.median(kl_rev[R_MIN - 1 :])}
-  eps["kl_entropy"] = eps["kl"]
+  eps["kl_entropy"] = eps["kl_entropy_len"] = eps["kl"]
   eps["latent"] = np.median(latent[R_MIN - 1 :])
   tau = float(np.median(ent[R_MIN - 1 :]))
   ok = {
     "kl_entropy": (kl < eps["kl"]) & (ent < tau),
+    "kl_entropy_len": (kl < eps["kl"]) & (ent < tau),  # its bound: tau' + 12 / 50
     "kl": kl < eps["kl"],
     "kl_reverse": kl_rev < eps["kl_reverse"],
     "entropy": ent < tau,
@@ -78,7 +80,9 @@ def test_halts_where_the_reference_says(setup, criterion):
       r_min=R_MIN,
       r_max=R_MAX,
       eps=float(eps.get(criterion, 0.0)),
-      tau=tau,
+      tau=tau - 12 / 50 if criterion == "kl_entropy_len" else tau,
+      tau_len=12.0,
+      seq_len=50,
       patience=2,
     )
   )(tokens, pos)

@@ -112,8 +112,9 @@ def summary(name: str, report: dict) -> str:
   if name == "overthinking":
     curves = report[name]
     best = {n: int(np.argmax(c["acc"])) + 1 for n, c in curves.items()}
-    return "best iteration per split: " + ", ".join(
-      f"{n} {r} ({curves[n]['acc'][r - 1]:.2f})" for n, r in best.items()
+    return "best iteration per split (avg_t_first): " + ", ".join(
+      f"{n} {r} ({curves[n]['acc'][r - 1]:.2f}; {_first(curves[n])})"
+      for n, r in best.items()
     )
   rows = report[name]
   tests = _test_splits(rows)
@@ -124,6 +125,11 @@ def summary(name: str, report: dict) -> str:
   )
 
 
+def _first(curve: dict) -> str:
+  first = curve.get("avg_t_first")
+  return "-" if first is None else f"{first:.1f}"
+
+
 def table(name: str, report: dict) -> str:
   """Markdown. Overthinking: per split, accuracy (mean margin) at R = 1, 2, 4,
   ... and the best R. Halting: per rule, accuracy / mean iterations per split."""
@@ -131,12 +137,19 @@ def table(name: str, report: dict) -> str:
     curves = report[name]
     R = len(next(iter(curves.values()))["acc"])
     depths = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= R]
-    head = ["split", *(f"R={d}" for d in depths), "best R"]
+    head = ["split", *(f"R={d}" for d in depths), "best R", "avg_t_first"]
     lines = []
     for split, c in curves.items():
       best = int(np.argmax(c["acc"])) + 1
       cells = [f"{c['acc'][d - 1]:.3f} ({c['margin'][d - 1]:+.1f})" for d in depths]
-      lines.append([split, *cells, f"{best} ({c['acc'][best - 1]:.3f})"])
+      lines.append(
+        [
+          split,
+          *cells,
+          f"{best} ({c['acc'][best - 1]:.3f})",
+          _first(c),
+        ]
+      )
   else:
     rows = report[name]
     splits = _test_splits(rows)

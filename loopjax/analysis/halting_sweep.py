@@ -20,6 +20,11 @@ def settings(cfg) -> list[dict]:
   for criterion in cfg.criteria:
     if criterion == "kl_entropy":
       grid += [{"criterion": criterion, "eps": e, "tau": cfg.tau} for e in cfg.eps]
+    elif criterion == "kl_entropy_len":
+      grid += [
+        {"criterion": criterion, "eps": e, "tau": cfg.tau, "tau_len": cfg.tau_len}
+        for e in cfg.eps
+      ]
     elif criterion in ("kl", "kl_reverse", "latent"):
       grid += [{"criterion": criterion, "eps": e} for e in cfg.eps]
     elif criterion == "entropy":
@@ -41,9 +46,11 @@ def table(model, probes: dict, config, pad: int):
       "eps": s.get("eps", 0.0),
       "tau": s.get("tau", 0.0),
       "patience": s.get("patience", 0),
+      "tau_len": s.get("tau_len", 0.0),
       "criterion": s["criterion"],
       "r_min": cfg.r_min,
       "r_max": cfg.r_max,
+      "seq_len": cfg.seq_len,
     }
     splits = {}
     for name, split in probes.items():
@@ -58,8 +65,10 @@ def table(model, probes: dict, config, pad: int):
   return rows
 
 
-@functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max"))
-def _answers(model, batch, key, eps, tau, patience, *, criterion, r_min, r_max):
+@functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max", "seq_len"))
+def _answers(
+  model, batch, key, eps, tau, patience, tau_len, *, criterion, r_min, r_max, seq_len
+):
   """(correct, iterations) per example; compiled once per graph and rule."""
   logp_BV, iters_B = halting.adaptive(
     model.module(),
@@ -70,6 +79,8 @@ def _answers(model, batch, key, eps, tau, patience, *, criterion, r_min, r_max):
     r_max=r_max,
     eps=eps,
     tau=tau,
+    tau_len=tau_len,
+    seq_len=seq_len,
     patience=patience,
     key=key,
   )

@@ -1,4 +1,5 @@
-"""Accuracy and logit margin after every iteration, per probe split.
+"""Accuracy and logit margin after every iteration, per probe split, and the
+mean first iteration at which the answer is right (LTG's `avg_t_first`).
 
 A looped model answers a k-hop chain once it has iterated enough; iterating far
 beyond its training depth may undo the answer ("overthinking"): the margin
@@ -41,8 +42,18 @@ def curves(model, probes: dict, config, pad: int):
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),
       "margin": margin_RN.mean(1).tolist(),
+      "avg_t_first": avg_t_first(margin_RN > 0),
     }
   return out
+
+
+def avg_t_first(correct_RN) -> float | None:
+  """LTG's `avg_t_first`: the mean first iteration (1-based) at which the answer
+  is right, over the examples that are right at some iteration; None if none is."""
+  ever_N = correct_RN.any(0)
+  if not ever_N.any():
+    return None
+  return float((correct_RN.argmax(0)[ever_N] + 1).mean())
 
 
 @functools.partial(jax.jit, static_argnames="max_depth")
