@@ -5,6 +5,33 @@ on every k up to `data.max_hops` at more and more iterations. Variants: `tiny`
 (smoke test), `cpu` (default: a 2-core laptop), `paper` (LTG's setting).
 Sweep `regimes`: fixed R = 4, 6, 8 vs dynamic R = clip(Poisson(lambda), min, max).
 
+`paper` is LTG's `train_extrapolation.py` field by field (its defaults, on the
+data of its getNhopfact.py + create_dataset.py: 200 entities, 10 relations,
+k = 2..40, 15,000 train and 750 test chains per k): GPT-2 blocks, d 768, 12
+heads, L = 4; no positional encoding (NoPE); no input injection (its
+`--input_injection`, the embeddings added before every iteration after the
+first, is `--config.model.injection=add --config.model.init_state=zeros`:
+iteration 1 then sees 0 + x = x exactly); output projections initialized to
+zero (`c_scale` 0), embeddings N(0, 1), other projections N(0, 0.02); AdamW
+(0.9, 0.999), eps 1e-8, lr 1e-4, weight decay 0.01 on every parameter; no label
+smoothing, no clipping; batch 128; R = clip(Poisson(4), 2, 8), one draw per
+batch; the curriculum from k = 2 to 40, moving on when the stage's k-hop test
+accuracy is strictly above 0.95, each stage with a fresh AdamW and so a fresh
+2000-step warmup (its optional `--use_lr_decay`, lr x 0.9 per stage with a
+2e-5 floor, is `--config.train.curriculum.lr_decay=0.9
+--config.train.curriculum.lr_min=2e-5`); bf16 compute. What remains different:
+- Where the answer is read: the official pads every sequence to 50 tokens and
+  reads the answer at column 49, a pad position after the chain; loopjax reads
+  it at the chain's last token (position k), which needs no padding.
+- Dropout: the official `--dropout 0.0` turns off embedding dropout only;
+  GPT-2's attention and residual dropout (0.1) stay on in training. loopjax has
+  none.
+- The stage criterion: accuracy at model.num_loops = 8 iterations (the
+  official's fixed-8 evaluation; one stored version of its script halts
+  adaptively instead), measured every 2000 steps rather than every epoch.
+- Schedule: `constant` after warmup (the official's linear decay runs over
+  100,001 epochs: flat at this length).
+
   python -m loopjax.main --config=experiments/extrapolation.py --workdir=runs/extra
   python -m loopjax.main --config=experiments/extrapolation.py --workdir=runs/extra \\
       --mode=analyze
@@ -71,15 +98,42 @@ def get_config(variant: str = "cpu"):
       num_entities=200,
       num_relations=10,
       max_hops=40,
-      train_hops=20,
+      train_hops=40,
       train_per_hop=15_000,
       test_per_hop=750,
       probe_size=2000,
     )
-    c.model.update(d_model=768, num_heads=12, num_layers=4, num_loops=8)
-    c.train.depth.update(mean=4.0, min=2, max=8)
+    c.model.update(
+      d_model=768,
+      num_heads=12,
+      num_layers=4,
+      num_loops=8,
+      pos_encoding="none",
+      injection="none",
+      init_state="embedding",
+      embed_init_std=1.0,
+      init_std=0.02,
+      out_init_scale=0.0,
+      dtype="bfloat16",
+    )
+    c.train.depth.update(dist="poisson", mean=4.0, min=2, max=8)
     c.train.update(
-      batch_size=128, num_steps=200_000, lr=1e-4, warmup_steps=2000, weight_decay=0.01
+      batch_size=128,
+      num_steps=1_000_000,
+      lr=1e-4,
+      warmup_steps=2000,
+      schedule="constant",
+      weight_decay=0.01,
+      decay="all",
+      label_smoothing=0.0,
+      b1=0.9,
+      b2=0.999,
+      eps=1e-8,
+      grad_clip=0.0,
+      supervise="last",
+    )
+    c.train.curriculum.update(
+      start=2, threshold=0.95, strict=True, reset_optimizer=True, lr_decay=1.0
     )
     c.checkpoint.update(every=10_000, keep_every=50_000)
     c.eval_every = 2000

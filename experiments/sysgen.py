@@ -10,6 +10,27 @@ stream), atomic facts get a loss after every iteration (`atomic_every`: without
 it OOD facts resolve iterations later than ID ones and OOD composition stalls
 near 0.4-0.5), and the learning rate decays (cosine) over the run.
 
+`paper` is LTG's `train_systematicity.py` field by field (its defaults; the data
+as GrokkedTransformer's notebook makes composition.2000.200.7.2): GPT-2 blocks
+(pre-LN, GELU, 4x MLP, LayerNorm eps 1e-5), d 768, 12 heads, L = 4 looped R = 4,
+learned positions, tied embeddings; embeddings and positions N(0, 1), every
+projection N(0, 0.02), unscaled output projections (no HF `_init_weights`);
+AdamW (0.9, 0.999), eps 1e-8, lr 1e-4, weight decay 0.1 on every parameter;
+2000 warmup steps; label smoothing 0.1; no gradient clipping; batch 128; the
+loss on the answer after the last iteration; bf16 compute. What remains
+different, and why:
+- Dropout: the official blocks keep GPT-2's 0.1 (embeddings, attention,
+  residual); loopjax has none (a deterministic step; the papers' claims are
+  about the looped computation, and dropout is not part of them).
+- Schedule: the official warmup is followed by a linear decay over 150,001
+  epochs (~3.7e8 steps): the lr falls 0.3% over our 10^6 steps, so it is
+  `constant` here.
+- Length: 10^6 steps rather than 150,001 epochs; evaluations every 5000 steps
+  rather than every epoch (2450 steps).
+- The official trains atomic facts at a pad column (2-token inputs padded to
+  the batch's 3) and evaluates them at the relation token; loopjax reads every
+  answer at the last real token.
+
   python -m loopjax.main --config=experiments/sysgen.py --workdir=runs/sysgen
   python -m loopjax.main --config=experiments/sysgen.py:tiny --workdir=runs/tiny
   python -m loopjax.main --config=experiments/sysgen.py:paper --workdir=runs/paper
@@ -59,15 +80,31 @@ def get_config(variant: str = "cpu"):
       phi=7.2,
       probe_size=3000,
     )
-    c.model.update(d_model=768, num_heads=12, num_layers=4, num_loops=4)
+    c.model.update(
+      d_model=768,
+      num_heads=12,
+      num_layers=4,
+      num_loops=4,
+      pos_encoding="learned",
+      embed_init_std=1.0,
+      init_std=0.02,
+      out_init_scale=1.0,
+      dtype="bfloat16",
+    )
     c.train.update(
       batch_size=128,
       num_steps=1_000_000,
       lr=1e-4,
       warmup_steps=2000,
+      schedule="constant",
       weight_decay=0.1,
+      decay="all",
       label_smoothing=0.1,
+      b1=0.9,
       b2=0.999,
+      eps=1e-8,
+      grad_clip=0.0,
+      supervise="last",
     )
     c.checkpoint.update(every=10_000, keep_every=100_000)
     c.eval_every = 5000

@@ -27,6 +27,7 @@ ENUMS = {
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),
   "train.supervise": ("last", "from_hops", "atomic_every"),
+  "train.decay": ("matrices", "all"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
 }
 # Tuple fields whose every name must be one the owning module knows.
@@ -75,7 +76,9 @@ def base() -> ml_collections.ConfigDict:
     norm_position="pre",
     norm_type="layernorm",
     init_state="embedding",
-    init_std=0.02,
+    init_std=0.02,  # projections (and an untied unembedding, the concat adapter)
+    embed_init_std=0.02,  # token and learned position embeddings
+    out_init_scale=1.0,  # attention and MLP output projections x this (0: zero)
     tie_embeddings=True,
     remat="none",
     scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
@@ -91,6 +94,8 @@ def base() -> ml_collections.ConfigDict:
     weight_decay=0.3,
     b1=0.9,
     b2=0.98,
+    eps=1e-8,  # Adam's
+    decay="matrices",  # which parameters weight decay applies to: or "all"
     grad_clip=1.0,
     label_smoothing=0.0,
     supervise="last",  # iterations with a loss (train.supervised)
@@ -99,10 +104,18 @@ def base() -> ml_collections.ConfigDict:
     depth=dict(dist="fixed", mean=4.0, min=2, max=8, sigma=0.5),
     backprop_depth=0,  # > 0: backprop through the last k iterations only
     # chains: train on hops <= stage, from `start`; advance when test_k<stage>
-    # accuracy (at model.num_loops) >= threshold, up to data.train_hops. Per
-    # stage: optionally a fresh optimizer, and the lr times lr_decay.
+    # accuracy (at model.num_loops) >= threshold (> if strict), up to
+    # data.train_hops. Per stage: optionally a fresh optimizer (and so a fresh
+    # warmup: the schedule counts the optimizer's steps), and the lr times
+    # lr_decay per stage passed, not below lr_min.
     curriculum=dict(
-      enabled=False, start=2, threshold=0.95, reset_optimizer=False, lr_decay=1.0
+      enabled=False,
+      start=2,
+      threshold=0.95,
+      strict=False,
+      reset_optimizer=False,
+      lr_decay=1.0,
+      lr_min=0.0,
     ),
   )
 
@@ -207,6 +220,10 @@ _BOUNDS = {
   "train.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
   "train.backprop_depth": (lambda v: v >= 0, "must be >= 0 (0: all iterations)"),
   "analyze.tol": (lambda v: v > 0, "must be > 0"),
+  "model.init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
+  "model.embed_init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
+  "model.out_init_scale": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
+  "train.eps": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
   "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
 }
@@ -356,6 +373,11 @@ def _validate_chains(c) -> None:
   if not 0 < cur.lr_decay <= 1:
     raise ConfigError(
       f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
+    )
+  if not 0 <= cur.lr_min <= c.train.lr:
+    raise ConfigError(
+      f"train.curriculum.lr_min: must be in [0, train.lr={c.train.lr}]; got "
+      f"{cur.lr_min!r}"
     )
   if d.test_per_hop < 1:
     raise ConfigError(

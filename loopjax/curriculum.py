@@ -64,11 +64,9 @@ def next_stage(config, stage: int, metrics: dict) -> int | None:
   """The stage to move to after an evaluation with `metrics`, or None to stay:
   the next, once the current stage's held-out chains are answered well enough."""
   cur = config.train.curriculum
-  if (
-    cur.enabled
-    and stage < config.data.train_hops
-    and metrics.get(f"eval/test_k{stage}/acc", 0.0) >= cur.threshold
-  ):
+  acc = metrics.get(f"eval/test_k{stage}/acc", 0.0)
+  passed = acc > cur.threshold if cur.strict else acc >= cur.threshold
+  if cur.enabled and stage < config.data.train_hops and passed:
     return stage + 1
   return None
 

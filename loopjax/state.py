@@ -29,10 +29,14 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   lr = optax.join_schedules(
     [optax.linear_schedule(0.0, tc.lr, tc.warmup_steps), after], [tc.warmup_steps]
   )
-  # Decay matrices (embeddings too, as the papers' HF AdamW did), not biases or norms.
-  decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)  # noqa: E731
+
+  # "matrices": embeddings and projections, not biases or norms; "all": every
+  # parameter (the papers' torch AdamW over model.parameters()).
+  def decay_mask(p):
+    return jax.tree.map(lambda x: tc.decay == "all" or x.ndim >= 2, p)
+
   adamw = optax.adamw(
-    lr, b1=tc.b1, b2=tc.b2, weight_decay=tc.weight_decay, mask=decay_mask
+    lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay, mask=decay_mask
   )
   return (
     optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)

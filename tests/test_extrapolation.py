@@ -71,8 +71,9 @@ def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
   assert stages(parts) == stages(whole)
 
 
-def test_stage_decays_the_lr(config):
-  config.train.curriculum.lr_decay = 0.5
+@pytest.mark.parametrize("floor", [0.0, 0.75])  # lr_min as a fraction of the lr
+def test_stage_decays_the_lr(config, floor):
+  config.train.curriculum.update(lr_decay=0.5, lr_min=floor * config.train.lr)
   task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
   graphdef, state, tx = train_state(config, task)
   step = train.make_train_step(config, graphdef, tx)
@@ -91,7 +92,7 @@ def test_stage_decays_the_lr(config):
   d2, d3 = delta(2), delta(3)
   assert max(float(jnp.abs(a).max()) for a in jax.tree.leaves(d2)) > 1e-4
   for a, b in zip(jax.tree.leaves(d2), jax.tree.leaves(d3), strict=True):
-    np.testing.assert_allclose(b, 0.5 * a, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(b, max(0.5, floor) * a, rtol=1e-4, atol=1e-7)
 
 
 def test_data_must_hold_the_hops_the_config_trains_on(config):

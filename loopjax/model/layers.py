@@ -62,8 +62,17 @@ class Attention(nnx.Module):
   """Causal multi-head self-attention, optionally with rotary positions."""
 
   def __init__(
-    self, d: int, num_heads: int, init_std: float, *, rngs: nnx.Rngs, rotary=False
+    self,
+    d: int,
+    num_heads: int,
+    init_std: float,
+    *,
+    rngs: nnx.Rngs,
+    rotary=False,
+    out_scale: float = 1.0,
   ):
+    """`out_scale` scales the output projection's initial weights (LTG's
+    `c_scale`; 0: each block starts as the identity on the residual stream)."""
     self.rotary = rotary
     hd = d // num_heads
     normal = nnx.initializers.normal(init_std)
@@ -71,7 +80,9 @@ class Attention(nnx.Module):
       rngs, normal, (d, 3, num_heads, hd), ("embed", None, "heads", "kv")
     )
     self.bqkv = zeros(rngs, (3, num_heads, hd), (None, "heads", "kv"))
-    self.wo = param(rngs, normal, (num_heads, hd, d), ("heads", "kv", "embed"))
+    self.wo = param(
+      rngs, _scaled(normal, out_scale), (num_heads, hd, d), ("heads", "kv", "embed")
+    )
     self.bo = zeros(rngs, (d,), ("embed",))
 
   def __call__(self, x_BTD, with_probs: bool = False):
@@ -116,12 +127,18 @@ def attend(probs_BTSN, v_BSNH, *, elementwise: bool):
   return jnp.einsum("btsn,bsnh->btnh", probs_BTSN, v_BSNH)
 
 
+def _scaled(init, scale: float):
+  return lambda key, shape, dtype: scale * init(key, shape, dtype)
+
+
 class Mlp(nnx.Module):
-  def __init__(self, d: int, hidden: int, init_std: float, *, rngs: nnx.Rngs):
+  def __init__(
+    self, d: int, hidden: int, init_std: float, *, rngs: nnx.Rngs, out_scale=1.0
+  ):
     normal = nnx.initializers.normal(init_std)
     self.w1 = param(rngs, normal, (d, hidden), ("embed", "mlp"))
     self.b1 = zeros(rngs, (hidden,), ("mlp",))
-    self.w2 = param(rngs, normal, (hidden, d), ("mlp", "embed"))
+    self.w2 = param(rngs, _scaled(normal, out_scale), (hidden, d), ("mlp", "embed"))
     self.b2 = zeros(rngs, (d,), ("embed",))
 
   def __call__(self, x_BTD):
@@ -137,9 +154,16 @@ class Block(nnx.Module):
     d, kind = cfg.d_model, cfg.norm_type
     self.position = cfg.norm_position
     self.attn = Attention(
-      d, cfg.num_heads, cfg.init_std, rngs=rngs, rotary=cfg.pos_encoding == "rope"
+      d,
+      cfg.num_heads,
+      cfg.init_std,
+      rngs=rngs,
+      rotary=cfg.pos_encoding == "rope",
+      out_scale=cfg.out_init_scale,
     )
-    self.mlp = Mlp(d, cfg.mlp_ratio * d, cfg.init_std, rngs=rngs)
+    self.mlp = Mlp(
+      d, cfg.mlp_ratio * d, cfg.init_std, rngs=rngs, out_scale=cfg.out_init_scale
+    )
     self.norm1 = Norm(d, kind, rngs=rngs)
     self.norm2 = Norm(d, kind, rngs=rngs)
     if self.position == "sandwich":

@@ -30,9 +30,10 @@ class LoopedTransformer(nnx.Module):
     self.cfg = cfg
     d = cfg.d_model
     normal = nnx.initializers.normal(cfg.init_std)
-    self.embed = param(rngs, normal, (vocab_size, d), ("vocab", "embed"))
+    embedding = nnx.initializers.normal(cfg.embed_init_std)  # tokens and positions
+    self.embed = param(rngs, embedding, (vocab_size, d), ("vocab", "embed"))
     self.pos = (
-      param(rngs, normal, (max_len, d), (None, "embed"))
+      param(rngs, embedding, (max_len, d), (None, "embed"))
       if cfg.pos_encoding == "learned"
       else None
     )
