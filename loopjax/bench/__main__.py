@@ -3,6 +3,7 @@
   python -m loopjax.bench step --config=experiments/bench.py[:size] --torch
   python -m loopjax.bench scaling --config=experiments/bench.py --depths=4,16,64
   taskset -c 0 python -m loopjax.bench data --config=experiments/sysgen.py:paper
+  python -m loopjax.bench accelerator --out=DIR [--smoke]
 
 `step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
 measured matmul peak, compile time, XLA's memory estimate), and with --torch the
@@ -12,6 +13,9 @@ compile and step time, and memory with and without remat, across depths R.
 depth (scan to R_max with masks: one program) against fixed R, which is also
 what a cache of one compiled program per depth would run. `halting`: inference
 with adaptive halting's `while_loop` against the fixed scan at equal iterations.
+`devices`: what JAX sees and each device's memory. `accelerator`: the parts of
+the accelerator check (loopjax/bench/accelerator.py), each in its own process,
+--out a directory.
 """
 
 import copy
@@ -24,17 +28,18 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from loopjax import recurrence
-from loopjax.bench import measure, steps
+from loopjax.bench import accelerator, measure, steps
 from loopjax.data import kg, tfds_kg
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference.")
 _DEPTHS = flags.DEFINE_list("depths", ["4", "16", "64"], "`scaling`: depths R.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
+_SMOKE = flags.DEFINE_bool("smoke", False, "`accelerator`: tiny shapes, any machine.")
 
 
 def bench_step(config) -> dict:
-  peak = measure.matmul_peak()
+  peak = measure.matmul_peak(config.model.dtype)
   out = {
     "size": config.get("size"),
     "matmul_peak_flops": peak,
@@ -68,7 +73,7 @@ def bench_step(config) -> dict:
     out["speedup_vs_torch"] = out["torch"]["step_s"] / out["jax"]["step_s"]
     print(f"loopjax is {out['speedup_vs_torch']:.2f}x PyTorch eager's speed")
   print(
-    f"matmul peak ({peak['n']}^3 float32): jax {peak['jax'] / 1e9:.0f} GFLOP/s"
+    f"matmul peak ({peak['n']}^3 {peak['dtype']}): jax {peak['jax'] / 1e9:.0f} GFLOP/s"
     + (f", torch {peak['torch'] / 1e9:.0f} GFLOP/s" if "torch" in peak else "")
   )
   return out
@@ -170,18 +175,39 @@ def bench_data(config) -> dict:
   return {"params": tfds_kg.params(config.data), "examples": n, "seconds": seconds}
 
 
+def bench_devices(config) -> dict:
+  del config
+  memory = measure.device_memory()
+  for row in memory:
+    print(row)
+  return {"devices": [str(d) for d in jax.devices()], "memory": memory}
+
+
 BENCHMARKS = {
   "step": bench_step,
   "scaling": bench_scaling,
   "data": bench_data,
   "depth": bench_depth,
   "halting": bench_halting,
+  "devices": bench_devices,
 }
 
 
 def main(argv):
+  if argv[1:] == ["accelerator"]:  # the parent of the parts: it starts no backend
+    if not _OUT.value:
+      raise app.UsageError("accelerator: --out=DIR is required")
+    report = accelerator.run(_OUT.value, smoke=_SMOKE.value)
+    failed = [
+      k for k, v in report["parts"].items() if v["status"] not in ("ok", "skipped")
+    ]
+    print(
+      f"wrote {_OUT.value}/accelerator.json" + (f"; failed: {failed}" if failed else "")
+    )
+    return 1 if failed else 0
   if len(argv) != 2 or argv[1] not in BENCHMARKS:
-    raise app.UsageError(f"expected one of {', '.join(BENCHMARKS)}; got {argv[1:]}")
+    names = ", ".join([*BENCHMARKS, "accelerator"])
+    raise app.UsageError(f"expected one of {names}; got {argv[1:]}")
   result = {
     "benchmark": argv[1],
     "machine": measure.machine(),

@@ -50,13 +50,19 @@ def model_flops(config, seq_len: int, vocab_size: int) -> float:
   return 3.0 * (B * T * (layers * per_layer + adapter) + B * 2 * d * vocab_size)
 
 
-def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
-  """Measured float32 matmul FLOP/s of this machine, JAX (and PyTorch if present)."""
-  a = jax.numpy.ones((n, n), jax.numpy.float32)
+def matmul_peak(dtype: str = "float32", n: int | None = None, repeats: int = 5) -> dict:
+  """Measured matmul FLOP/s of this machine in `dtype`, JAX (and PyTorch if present).
+
+  n defaults to 2048 on a CPU and 8192 on an accelerator, where a smaller
+  product does not fill the device and understates its peak.
+  """
+  n = n or (2048 if jax.default_backend() == "cpu" else 8192)
+  a = jax.numpy.ones((n, n), dtype)
   f = jax.jit(lambda a: a @ a)
   flops = 2 * n**3
   out = {
     "n": n,
+    "dtype": dtype,
     "jax": flops
     / timed(lambda: f(a).block_until_ready(), warmup=2, steps=5, repeats=repeats),
   }
@@ -64,9 +70,21 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> dict:
     import torch
   except ImportError:
     return out
-  t = torch.ones(n, n)
+  if jax.default_backend() != "cpu":
+    return out  # the PyTorch reference is timed on the CPU only
+  t = torch.ones(n, n, dtype=getattr(torch, dtype))
   out["torch"] = flops / timed(lambda: t @ t, warmup=2, steps=5, repeats=repeats)
   return out
+
+
+def device_memory() -> list[dict]:
+  """Per device: bytes in use, peak and limit where the backend reports them."""
+  keys = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit")
+  rows = []
+  for d in jax.local_devices():
+    stats = d.memory_stats() or {}
+    rows.append({"device": str(d), **{k: stats[k] for k in keys if k in stats}})
+  return rows
 
 
 def machine() -> dict:

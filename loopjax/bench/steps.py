@@ -4,7 +4,7 @@ import time
 
 import jax
 
-from loopjax.bench.measure import model_flops, random_batch, timed
+from loopjax.bench.measure import device_memory, model_flops, random_batch, timed
 from loopjax.data.kg import Vocab
 from loopjax.state import build_model, init_state, make_optimizer
 from loopjax.train import make_train_step
@@ -38,6 +38,9 @@ def jax_step(config) -> dict:
 
   b = config.bench
   step_s = timed(call, warmup=b.warmup, steps=b.steps, repeats=b.repeats)
+  measured = [
+    m["peak_bytes_in_use"] for m in device_memory() if "peak_bytes_in_use" in m
+  ]
   return {
     "compile_s": compile_s,
     "step_s": step_s,
@@ -48,6 +51,9 @@ def jax_step(config) -> dict:
     + mem.argument_size_in_bytes
     + mem.output_size_in_bytes
     - mem.alias_size_in_bytes,
+    # The allocator's own peak where the backend reports one (GPU, TPU): what
+    # the step really used, beside XLA's estimate above.
+    **({"device_peak_bytes": max(measured)} if measured else {}),
   }
 
 
