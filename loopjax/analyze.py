@@ -29,7 +29,7 @@ from loopjax.analysis import (
 )
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
-from loopjax.state import Model
+from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 
 
@@ -103,7 +103,7 @@ def traced_step(config, pad, names):
   Compiled once per model graph and settings, whatever the params."""
   return functools.partial(
     _traced,
-    key=evaluate.eval_key(config),
+    key=eval_key(config),
     depth=config.analyze.max_depth,
     names=tuple(n for n in names if n in MECHANISTIC),
     pad=pad,

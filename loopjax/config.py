@@ -14,10 +14,11 @@ import ml_collections
 
 from loopjax import halting
 from loopjax.analysis import ANALYSES, MECHANISTIC
+from loopjax.data.lm import MIN_VOCAB
 from loopjax.errors import ConfigError
 
 ENUMS = {
-  "data.task": ("composition", "chains"),
+  "data.task": ("composition", "chains", "lm"),
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
   "model.norm_position": ("pre", "sandwich", "post"),
@@ -43,8 +44,10 @@ def base() -> ml_collections.ConfigDict:
   c.seed = 0
 
   c.data = dict(
-    source="generate",  # or "grokked_json:DIR" (the papers' files for the task)
-    task="composition",  # or "chains" (k-hop, depth extrapolation)
+    # KG tasks: "generate" or "grokked_json:DIR" (the papers' files); lm:
+    # "stdlib", "text:GLOB" or "tfds:NAME[:CONFIG]" (data/corpus.py)
+    source="generate",
+    task="composition",  # or "chains" (k-hop, depth extrapolation), "lm"
     data_dir="~/loopjax_data",  # where TFDS datasets are prepared
     num_entities=50,
     num_relations=40,
@@ -61,6 +64,16 @@ def base() -> ml_collections.ConfigDict:
     test_per_hop=200,
     atomic_repeat=1,  # copies of each atomic fact per epoch (1 = the paper)
     seed=0,
+    # lm (data/lm.py): a BPE of vocab_size trained on the corpus, or a
+    # tokenizer.json; sequences of seq_len tokens; a share of the documents
+    # held out; validation on the first valid_sequences of them (0: all)
+    vocab_size=4096,
+    tokenizer="",
+    seq_len=256,
+    bos=True,
+    text_field="text",
+    valid_fraction=0.02,
+    valid_sequences=0,
   )
 
   c.model = dict(
@@ -98,6 +111,7 @@ def base() -> ml_collections.ConfigDict:
     decay="matrices",  # which parameters weight decay applies to: or "all"
     grad_clip=1.0,
     label_smoothing=0.0,
+    z_loss=0.0,  # lm: z * logsumexp(logits)^2 per token
     supervise="last",  # iterations with a loss (train.supervised)
     # Iterations per batch: "fixed" = model.num_loops; else sampled per batch,
     # clipped to [min, max] (recurrence.sample_depth); evals use model.num_loops.
@@ -261,17 +275,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
           f"{field}: each must be one of {', '.join(allowed)}; got {name!r}"
         )
   d, m, t, a = c.data, c.model, c.train, c.analyze
-  if not (d.source == "generate" or d.source.startswith("grokked_json:")):
+  _check(c, _BOUNDS)
+  if d.task == "lm":
+    _validate_lm(c)
+  elif not (d.source == "generate" or d.source.startswith("grokked_json:")):
     raise ConfigError(
       f"data.source: must be 'generate' or 'grokked_json:DIR'; got {d.source!r}"
     )
-  _check(c, _BOUNDS)
   if d.task == "chains":
     _validate_chains(c)
   elif t.curriculum.enabled:
     raise ConfigError(
       "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
-      "got task 'composition'"
+      f"got task {d.task!r}"
     )
   if d.task == "composition" and d.out_degree > d.num_relations:
     raise ConfigError(
@@ -348,6 +364,34 @@ def _validate_mesh(c) -> None:
         "sharding.rules: each must be (logical name, mesh axis or axes or None) "
         f"with mesh axes data, fsdp, tensor; got {rule!r}"
       )
+
+
+def _validate_lm(c) -> None:
+  d = c.data
+  if not (d.source == "stdlib" or d.source.startswith(("text:", "tfds:"))):
+    raise ConfigError(
+      "data.source: must be 'stdlib', 'text:GLOB' or 'tfds:NAME[:CONFIG]' for "
+      f"data.task 'lm'; got {d.source!r}"
+    )
+  if d.vocab_size < MIN_VOCAB:
+    raise ConfigError(
+      f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "
+      f"got {d.vocab_size}"
+    )
+  if d.seq_len < 2:
+    raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")
+  if not 0 < d.valid_fraction < 1 or d.valid_sequences < 0:
+    raise ConfigError(
+      "data.valid_fraction: must be in (0, 1) and data.valid_sequences >= 0; got "
+      f"{d.valid_fraction!r}, {d.valid_sequences!r}"
+    )
+  if c.train.supervise != "last" or c.train.label_smoothing:
+    raise ConfigError(
+      "train.supervise: must be 'last' with no train.label_smoothing for "
+      f"data.task 'lm'; got {c.train.supervise!r}, {c.train.label_smoothing!r}"
+    )
+  if not (0 <= c.train.z_loss < 1):
+    raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
 
 
 def _validate_chains(c) -> None:

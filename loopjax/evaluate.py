@@ -11,10 +11,10 @@ from pathlib import Path
 import jax
 import optax
 
-from loopjax import checkpoint, data, sharding
+from loopjax import checkpoint, data, evaluate_lm, sharding
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
-from loopjax.state import Model, sharded_train_state
+from loopjax.state import Model, eval_key, sharded_train_state
 from loopjax.workdir import Workdir, write_atomic
 
 
@@ -29,6 +29,14 @@ def logits_per_iteration(model: Model, batch, num_loops: int, key):
     key=key,
   )
   return logits_RBV
+
+
+def make_evaluator(config, task, graphdef, depths=(), mesh=None, param_shardings=None):
+  """The task's evaluator: probe splits at `depths` (knowledge graphs), or
+  validation text at every iteration count (evaluate_lm)."""
+  if config.data.task == "lm":
+    return evaluate_lm.LmEvaluator(graphdef, config, task, mesh, param_shardings)
+  return Evaluator(graphdef, config, task, depths, mesh, param_shardings)
 
 
 class Evaluator:
@@ -133,11 +141,6 @@ class Evaluator:
     return out, results
 
 
-def eval_key(config):
-  """The key evaluations and analyses draw a random initial state from."""
-  return jax.random.key(config.seed)
-
-
 class Reader:
   """Restores a run's checkpoints for evaluation, on one device: the state's
   abstract shapes are built once, nothing is initialized, no checkpoint is
@@ -188,10 +191,13 @@ def restore_model(config, workdir, step: int | None = None):
 def results(config, task, per_depth: dict, step: int) -> dict:
   """What `eval/step_<N>.json` holds: accuracy and loss per split and depth
   (`Evaluator.per_depth`)."""
+  lm = config.data.task == "lm"
   return {
     "step": step,
-    "depths": list(config.eval.depths) or [config.model.num_loops],
-    "fingerprint": data.fingerprint(task),
+    "depths": evaluate_lm.depths(config)
+    if lm
+    else list(config.eval.depths) or [config.model.num_loops],
+    "fingerprint": data.summary(task)["fingerprint"],
     "splits": per_depth,
   }
 
@@ -206,16 +212,20 @@ def write_results(workdir: Path, report: dict) -> Path:
 def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """`--mode=eval`: restores a checkpoint, writes `eval/step_<N>.json`."""
   task, model, step = restore_model(config, workdir, step)
-  evaluator = Evaluator(model.graphdef, config, task, config.eval.depths)
+  evaluator = make_evaluator(config, task, model.graphdef, config.eval.depths)
   report = results(config, task, evaluator.per_depth(model.params)[0], step)
   out = write_results(workdir, report)
-  splits = report["splits"]
-  width = max(map(len, splits))
-  print(f"accuracy at step {step} by inference depth R:")
-  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in report["depths"]))
-  for name, res in splits.items():
-    print(
-      f"{name:<{width}}" + "".join(f"{res['acc'][d]:8.3f}" for d in report["depths"])
-    )
+  splits, depths = report["splits"], report["depths"]
+  if config.data.task == "lm":
+    depths = [d for d in depths if d in (1, config.model.num_loops) or d % 2 == 0]
+    rows = [(k, splits["validation"][k]) for k in ("loss", "ppl", "acc")]
+    print(f"validation at step {step} by number of iterations R:")
+  else:
+    rows = [(name, res["acc"]) for name, res in splits.items()]
+    print(f"accuracy at step {step} by inference depth R:")
+  width = max(len(name) for name, _ in rows)
+  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in depths))
+  for name, by_depth in rows:
+    print(f"{name:<{width}}" + "".join(f"{by_depth[d]:8.3f}" for d in depths))
   print(f"wrote {out}")
   return report

@@ -84,8 +84,8 @@ class _Job:
   def __init__(self, wd: Workdir, config, task, reader, analyses: bool):
     self.wd, self.config, self.task, self.reader = wd, config, task, reader
     self.analyses = analyses
-    self.evaluator = evaluate.Evaluator(
-      reader.graphdef, config, task, config.eval.depths
+    self.evaluator = evaluate.make_evaluator(
+      config, task, reader.graphdef, config.eval.depths
     )
     log = wd.path / "eval" / "metrics.jsonl"
     self.records = metrics.read_jsonl(log) if log.exists() else []

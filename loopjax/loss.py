@@ -1,5 +1,6 @@
-"""The knowledge-graph tasks' loss: cross-entropy on the answer token, after the
-iterations `train.supervise` names."""
+"""Training losses. The knowledge-graph tasks: cross-entropy on the answer
+token, after the iterations `train.supervise` names. A language model:
+next-token cross-entropy over every real target (`lm_loss_fn`)."""
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +64,34 @@ def loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
   loss_RB = answer_xent(logits_RBV, batch["target"][None], ls)
   loss = (loss_RB * on_RB).sum() / on_RB.sum()
   return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
+
+
+def lm_xent(logits_BTV, targets_BT, mask_BT, z_loss: float = 0.0):
+  """(summed masked cross-entropy (+ z-loss), summed correct, mask total).
+
+  z-loss (PaLM): z * logsumexp(logits)^2 keeps the softmax normalizer near 1,
+  which bf16 logits of large vocabularies need to stay stable."""
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  lse_BT = jax.nn.logsumexp(logits_BTV, -1)
+  true_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], -1)[..., 0]
+  loss_BT = lse_BT - true_BT + z_loss * lse_BT**2
+  correct_BT = logits_BTV.argmax(-1) == targets_BT
+  return (loss_BT * mask_BT).sum(), (correct_BT * mask_BT).sum(), mask_BT.sum()
+
+
+def lm_loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
+  """(mean next-token loss, next-token accuracy) over the batch's real targets."""
+  logits_BTV = model(
+    batch["inputs"],
+    None,
+    key=key,
+    num_loops=num_loops,
+    depth=depth,
+    grad_depth=train_cfg.backprop_depth,
+    segments_BT=batch["segments"],
+  )
+  total, correct, n = lm_xent(
+    logits_BTV, batch["targets"], batch["mask"], train_cfg.z_loss
+  )
+  n = jnp.maximum(n, 1.0)
+  return total / n, correct / n

@@ -3,6 +3,7 @@
   python -m loopjax.main --config=experiments/sysgen.py[:variant] --workdir=DIR \
       [--config.model.num_loops=8 ...] [--mode=train|eval|analyze|report] [--step=N]
   python -m loopjax.main --mode=eval --follow --workdir=DIR   # beside a trainer
+  python -m loopjax.main --mode=sample --workdir=DIR --prompt="def "  # LM runs
 """
 
 import os
@@ -27,7 +28,7 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
   "mode",
   "train",
-  ["train", "eval", "analyze", "report"],
+  ["train", "eval", "analyze", "report", "sample"],
   "What to do with the workdir.",
 )
 flags.DEFINE_integer(
@@ -43,6 +44,16 @@ flags.DEFINE_bool(
   "analyze", False, "--mode=eval --follow: also run analyze.names on each checkpoint."
 )
 flags.DEFINE_float("poll_s", 2.0, "--follow: seconds between looks for checkpoints.")
+flags.DEFINE_string("prompt", "", "--mode=sample: the text to continue.")
+flags.DEFINE_integer("max_new_tokens", 128, "--mode=sample: tokens to generate.")
+flags.DEFINE_float("temperature", 0.8, "--mode=sample: 0 is greedy.")
+flags.DEFINE_integer(
+  "top_k", 40, "--mode=sample: sample among the k likeliest (0: all)."
+)
+flags.DEFINE_integer(
+  "num_loops", None, "--mode=sample: recurrences (default: the trained R)."
+)
+flags.DEFINE_integer("sample_seed", 0, "--mode=sample: the sampling key's seed.")
 flags.DEFINE_bool(
   "distributed",
   False,
@@ -81,11 +92,11 @@ def _parse(argv):
 def _load_config(wd: Workdir):
   if FLAGS.config is not None:
     return FLAGS.config
-  if FLAGS.mode in ("eval", "analyze") and (saved := wd.saved_config()) is not None:
+  if FLAGS.mode != "train" and (saved := wd.saved_config()) is not None:
     return saved
   exit_with(
-    "--config is required (for --mode=eval or analyze, a workdir with config.json "
-    "will do)"
+    "--config is required (for --mode=eval, analyze or sample, a workdir with "
+    "config.json will do)"
   )
 
 
@@ -122,7 +133,7 @@ def main(argv):
     exit_with(str(e))
   import jax
 
-  from loopjax import analyze, evaluate, follow, sharding, train
+  from loopjax import analyze, evaluate, follow, sample, sharding, train
 
   try:
     sharding.initialize(
@@ -150,6 +161,21 @@ def main(argv):
     elif FLAGS.mode == "eval":
       Workdir(workdir).check(config)
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
+    elif FLAGS.mode == "sample":
+      Workdir(workdir).check(config)
+      print(
+        sample.sample(
+          config,
+          workdir,
+          FLAGS.prompt,
+          step=FLAGS.step,
+          num_loops=FLAGS.num_loops,
+          max_new_tokens=FLAGS.max_new_tokens,
+          temperature=FLAGS.temperature,
+          top_k=FLAGS.top_k,
+          seed=FLAGS.sample_seed,
+        )
+      )
     else:
       Workdir(workdir).check(config)
       paths = analyze.analyze(config, workdir, FLAGS.step)

@@ -172,6 +172,8 @@ class Progress:
 def _postfix(last: dict) -> dict:
   short = {"loss": last.get("train/loss")}
   for k, v in last.items():
-    if k.startswith("eval/") and k.endswith("/acc"):
+    if k == "eval/validation/loss":  # a language model: its validation loss
+      short["val_loss"] = v
+    elif k.startswith("eval/") and k.endswith("/acc") and "validation" not in k:
       short[k[5:-4]] = v
   return {k: f"{v:.3f}" for k, v in short.items() if v is not None}

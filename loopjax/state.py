@@ -9,7 +9,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from loopjax import sharding
+from loopjax import data, sharding
 from loopjax.model import LoopedTransformer
 
 
@@ -65,9 +65,7 @@ def init_state(model, tx, seed: int):
 def train_state(config, task):
   """(graphdef, initial train state, optimizer) for a config and its task data;
   a curriculum run's state also holds its stage."""
-  model = build_model(
-    config.model, task.vocab.vocab_size, task.max_hops + 1, config.seed
-  )
+  model = build_model(config.model, *data.model_dims(task), config.seed)
   tx = make_optimizer(config.train)
   graphdef, state = init_state(model, tx, config.seed)
   if config.train.curriculum.enabled:
@@ -83,9 +81,7 @@ def sharded_train_state(config, task, mesh, abstract: bool = False):
   the state as ShapeDtypeStructs with shardings, nothing computed (restore
   targets, ahead-of-time compiles)."""
   abstract_model = nnx.eval_shape(
-    lambda: build_model(
-      config.model, task.vocab.vocab_size, task.max_hops + 1, config.seed
-    )
+    lambda: build_model(config.model, *data.model_dims(task), config.seed)
   )
   graphdef = nnx.split(abstract_model, nnx.Param)[0]
   tx = make_optimizer(config.train)
@@ -106,6 +102,11 @@ def sharded_train_state(config, task, mesh, abstract: bool = False):
   else:
     state = jax.jit(init, out_shardings=shardings)()
   return graphdef, state, tx, shardings
+
+
+def eval_key(config):
+  """The key evaluations and analyses draw a random initial state from."""
+  return jax.random.key(config.seed)
 
 
 def cast(params, dtype: str):

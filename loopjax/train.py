@@ -39,6 +39,7 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
   the recurrent state constrained in every iteration."""
   m, t = config.model, config.train
   rules, dd = tuple(config.sharding.rules), t.depth
+  loss_fn = loss.lm_loss_fn if config.data.task == "lm" else loss.loss_fn
 
   def train_step(state, batch):
     with sharding.active(mesh, rules):
@@ -53,7 +54,7 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
 
       def objective(params):
         model = Model(graphdef, params, m.dtype).module()
-        return loss.loss_fn(model, batch, t, key=key, num_loops=loops, depth=depth)
+        return loss_fn(model, batch, t, key=key, num_loops=loops, depth=depth)
 
       (value, acc), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
@@ -125,7 +126,13 @@ def phase_names(config) -> tuple[str, ...]:
   """What a run records in phases.json: grokking phases or curriculum stages."""
   if config.data.task == "composition":
     return tuple(grokking.PHASES)
-  return curriculum.stage_names(config)
+  return curriculum.stage_names(config)  # none for a language model
+
+
+def train_iterator(config, task, rows):
+  if config.data.task == "lm":
+    return data_lib.lm.train_iterator(task, config.train.batch_size, config.seed, rows)
+  return curriculum.train_iterator(config, task, rows)
 
 
 def train_and_evaluate(config, workdir) -> dict:
@@ -134,6 +141,7 @@ def train_and_evaluate(config, workdir) -> dict:
   wd.check(config)
   task = data_lib.load(config.data)  # bad data settings fail before the workdir exists
   curriculum.check_task(config, task)
+  wd.check_data(task)
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
   wd.check_writable()
   with wd.exclusive("train"):
@@ -146,10 +154,10 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
   train_step = make_train_step(config, graphdef, tx, mesh, shardings)
   batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
-  evaluator = evaluate.Evaluator(
-    graphdef, config, task, mesh=mesh, param_shardings=shardings["params"]
+  evaluator = evaluate.make_evaluator(
+    config, task, graphdef, mesh=mesh, param_shardings=shardings["params"]
   )
-  train_iter = curriculum.train_iterator(config, task, rows)
+  train_iter = train_iterator(config, task, rows)
   mngr = wd.checkpoints(config.checkpoint)
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
@@ -204,11 +212,10 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
         else "No checkpoint was saved."
       )
     ) from failure
-  print(
-    f"phases: {grokking.summary(wd.phases)}"
-    if config.data.task == "composition"
-    else f"curriculum: {curriculum.stages_summary(wd.phases, config)}"
-  )
+  if config.data.task == "composition":
+    print(f"phases: {grokking.summary(wd.phases)}")
+  elif config.data.task == "chains":
+    print(f"curriculum: {curriculum.stages_summary(wd.phases, config)}")
   if preempt.signal is not None:
     print(
       f"{preempt.signal}: saved step {step} to {wd.checkpoint_dir}; "

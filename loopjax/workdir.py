@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from loopjax import config as config_lib
-from loopjax.data import kg
+from loopjax import data as data_lib
 from loopjax.errors import ConfigError
 
 # Fields that may change when a run resumes: how long and how often, not what.
@@ -132,24 +132,26 @@ class Workdir:
       path.parent.mkdir(exist_ok=True)
     return _locked(path, f"--workdir={self.path}: another process", doing)
 
-  def record(self, config, task, phases=()) -> None:
-    """Writes config.json, dataset.json and phases.json (each of `phases` null
-    until reached); refuses data that changed under a run."""
-    sizes = {k: len(v["target"]) for k, v in task.splits.items()}
-    dataset = {
-      "fingerprint": kg.fingerprint(task),
-      "sizes": sizes,
-      "vocab_size": task.vocab.vocab_size,
-    }
+  def check_data(self, task) -> None:
+    """Raises ConfigError if the workdir's run was trained on other data (a
+    changed corpus, tokenizer or generator); touches nothing."""
     saved = self.path / "dataset.json"
     if (
       saved.exists()
-      and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
+      and json.loads(saved.read_text())["fingerprint"]
+      != data_lib.summary(task)["fingerprint"]
     ):
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
         f"in {saved} differs); use a new --workdir"
       )
+
+  def record(self, config, task, phases=()) -> None:
+    """Writes config.json, dataset.json and phases.json (each of `phases` null
+    until reached), after `check_data`."""
+    self.check_data(task)
+    dataset = data_lib.summary(task)
+    sizes, saved = dataset["sizes"], self.path / "dataset.json"
     print(
       f"data: fingerprint {dataset['fingerprint'][:16]}, "
       + ", ".join(f"{k}={n}" for k, n in sizes.items())
@@ -159,6 +161,8 @@ class Workdir:
       self.path.mkdir(parents=True, exist_ok=True)
       write_atomic(self.path / "config.json", config_lib.to_json(config))
       write_atomic(saved, json.dumps(dataset, indent=2))
+      if (tok := getattr(task, "tokenizer_json", None)) is not None:
+        write_atomic(self.path / "tokenizer.json", tok)  # sampling reads it here
       self._write_phases()
 
   @property

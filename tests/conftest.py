@@ -91,3 +91,33 @@ def as_ltg_writes_it(out) -> None:
         if x["type"] != "atomic":
           x["type"] = f"{int(x['type'].split('hop')[0]) - 2}hop_train"
     path.write_text(json.dumps(items))
+
+
+def write_corpus(root, docs: int = 24, seed: int = 0):
+  """A small text corpus: `docs` files of code-like lines (~2 KB each)."""
+  import random
+
+  rng = random.Random(seed)
+  words = "def return self value index count total item key name data list".split()
+  root.mkdir(parents=True, exist_ok=True)
+  for i in range(docs):
+    lines = [
+      f"def {rng.choice(words)}_{i}({rng.choice(words)}):\n"
+      f"    {rng.choice(words)} = {rng.choice(words)} + {rng.randint(0, 99)}\n"
+      f"    return {rng.choice(words)}\n"
+      for _ in range(30)
+    ]
+    (root / f"doc{i:03d}.py").write_text("".join(lines))
+  return root
+
+
+@pytest.fixture
+def lm_config(tmp_path):
+  """The `tiny` LM variant on a small text corpus under this test's tmp dir."""
+  from experiments import lm
+
+  c = lm.get_config("tiny")
+  c.data.source = f"text:{write_corpus(tmp_path / 'corpus')}/*.py"
+  c.data.data_dir = str(tmp_path / "data")
+  c.data.valid_fraction = 0.2
+  return c

@@ -11,7 +11,7 @@ import jax
 
 from loopjax import halting
 from loopjax.data import pipeline
-from loopjax.evaluate import eval_key
+from loopjax.state import eval_key
 
 
 def settings(cfg) -> list[dict]:

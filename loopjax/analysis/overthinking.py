@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from loopjax.data import pipeline
-from loopjax.evaluate import eval_key, logits_per_iteration
+from loopjax.evaluate import logits_per_iteration
+from loopjax.state import eval_key
 
 
 def margin(logits_RBV, target_B):

@@ -48,12 +48,21 @@ def train_iterator(
   epoch is dropped. `atomic_repeat` > 1 puts every atomic fact (bridge -1) that
   many times in each epoch: OOD atomic facts are otherwise ~1% of the stream.
   """
+  atomic = np.flatnonzero(answer_pos(split["inputs"], pad_id) == 1)
+  rows = np.concatenate(
+    [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
+  )
+  return shuffled_batches(
+    rows, batch_size, seed, lambda idx_B: _gather(split, idx_B, pad_id), shard
+  )
+
+
+def shuffled_batches(rows, batch_size: int, seed: int, gather, shard=(0, 1)):
+  """Endless batches `gather(rows[...])` of block `shard[0]` of `shard[1]`, in
+  a new seeded order each epoch; a grain iterator with get_state/set_state."""
   i_proc, n_proc = shard
   B = batch_size // n_proc  # sharding.process_rows checked the division
-  atomic = np.flatnonzero(answer_pos(split["inputs"], pad_id) == 1)
-  epoch = np.concatenate(
-    [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
-  )[i_proc::n_proc]
+  epoch = rows[i_proc::n_proc]
   per_epoch = len(epoch) // B
   if per_epoch == 0:
     raise ConfigError(
@@ -67,7 +76,7 @@ def train_iterator(
 
   def batch(i, _):
     j = i % per_epoch
-    return _gather(split, order(i // per_epoch)[j * B : (j + 1) * B], pad_id)
+    return gather(order(i // per_epoch)[j * B : (j + 1) * B])
 
   ds = grain.MapDataset.range(per_epoch).repeat().map_with_index(batch)
   return iter(ds.to_iter_dataset())

@@ -47,13 +47,20 @@ class Norm(nnx.Module):
     return y.astype(x_D.dtype)
 
 
-def rope(x_BTNH, base: float = 10_000.0):
+def rope(x_BTNH, base: float = 10_000.0, offset=0):
   """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
   position-dependent angles, so q.k depends on positions only through their
-  difference (chains longer than any trained on keep familiar offsets)."""
+  difference (chains longer than any trained on keep familiar offsets).
+  `offset`: the position of the first token (decoding with a cache; traced)."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[3]
-  angle_TF = np.arange(T)[:, None] * base ** (-np.arange(0, H, 2) / H)[None]
-  cos, sin = (f(angle_TF)[None, :, None].astype(x_BTNH.dtype) for f in (np.cos, np.sin))
+  freq_F = base ** (-np.arange(0, H, 2) / H)
+  if isinstance(offset, int):  # a constant: folded at trace time
+    angle_TF = (offset + np.arange(T))[:, None] * freq_F[None]
+    cos, sin = np.cos(angle_TF), np.sin(angle_TF)
+  else:
+    angle_TF = (offset + jnp.arange(T))[:, None] * freq_F[None]
+    cos, sin = jnp.cos(angle_TF), jnp.sin(angle_TF)
+  cos, sin = (f[None, :, None].astype(x_BTNH.dtype) for f in (cos, sin))
   x1, x2 = x_BTNH[..., : H // 2], x_BTNH[..., H // 2 :]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
@@ -85,37 +92,84 @@ class Attention(nnx.Module):
     )
     self.bo = zeros(rngs, (d,), ("embed",))
 
-  def __call__(self, x_BTD, with_probs: bool = False):
-    """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S)."""
+  def _qkv(self, x_BTD, offset=0):
     B, T, D = x_BTD.shape
     _, _, N, H = self.wqkv.shape
     qkv_MK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
     qkv_BT3NH = qkv_MK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
     q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
     if self.rotary:
-      q_BTNH, k_BSNH = rope(q_BTNH), rope(k_BSNH)
+      q_BTNH, k_BSNH = rope(q_BTNH, offset=offset), rope(k_BSNH, offset=offset)
+    return q_BTNH, k_BSNH, v_BSNH
+
+  def _out(self, out_BTNH):
+    B, T, N, H = out_BTNH.shape
+    out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, -1)
+    return (out_MD + self.bo[None]).reshape(B, T, -1)
+
+  def cached(self, x_BTD, kv, offset):
+    """Attention of tokens at positions offset.. over a cache of earlier keys
+    and values (B, S, N, H) each, which it returns with theirs written in."""
+    q_BTNH, k_BTNH, v_BTNH = self._qkv(x_BTD, offset)
+    k_BSNH, v_BSNH = (
+      jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), offset, 1)
+      for c, new in zip(kv, (k_BTNH, v_BTNH), strict=True)
+    )
+    T, S = x_BTD.shape[1], k_BSNH.shape[1]
+    seen_TS = jnp.arange(S)[None] <= (offset + jnp.arange(T))[:, None]
+    out_BTNH = jax.nn.dot_product_attention(
+      q_BTNH,
+      k_BSNH.astype(q_BTNH.dtype),
+      v_BSNH.astype(q_BTNH.dtype),
+      mask=seen_TS[None, None],
+    )
+    return self._out(out_BTNH), (k_BSNH, v_BSNH)
+
+  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
+    """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S).
+    `segments_BT`: a query attends only to keys of its own segment (packed
+    documents); None: to every earlier position."""
+    T = x_BTD.shape[1]
+    q_BTNH, k_BSNH, v_BSNH = self._qkv(x_BTD)
     elementwise = T <= ELEMENTWISE_MAX_LEN
-    probs_BTSN = attention_probs(q_BTNH, k_BSNH, elementwise=elementwise)
-    out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
-    out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, D)
-    out_BTD = (out_MD + self.bo[None]).reshape(B, T, D)
+    same_BTS = (
+      None if segments_BT is None else segments_BT[:, :, None] == segments_BT[:, None]
+    )
+    if elementwise or with_probs:
+      probs_BTSN = attention_probs(
+        q_BTNH, k_BSNH, elementwise=elementwise, same_BTS=same_BTS
+      )
+      out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
+    else:  # a fused kernel where the backend has one; never the (T, S) weights
+      out_BTNH = jax.nn.dot_product_attention(
+        q_BTNH,
+        k_BSNH,
+        v_BSNH,
+        mask=None if same_BTS is None else same_BTS[:, None],
+        is_causal=True,
+      )
+    out_BTD = self._out(out_BTNH)
     return (out_BTD, probs_BTSN.transpose(0, 3, 1, 2)) if with_probs else out_BTD
 
 
 # Up to this length, attention's two products run as broadcast-multiply-sums:
 # on CPU that trains the 3-token composition task ~15% faster than batches of
-# T x T matmul tiles (docs/performance.md); longer sequences use einsums.
+# T x T matmul tiles (docs/performance.md); longer sequences use
+# jax.nn.dot_product_attention (einsums where the weights are wanted).
 ELEMENTWISE_MAX_LEN = 8
 
 
-def attention_probs(q_BTNH, k_BSNH, *, elementwise: bool):
-  """Causal softmax weights (B, T, S, N): query t's distribution over keys s."""
+def attention_probs(q_BTNH, k_BSNH, *, elementwise: bool, same_BTS=None):
+  """Causal softmax weights (B, T, S, N): query t's distribution over keys s
+  (within its segment where `same_BTS` says which keys share it)."""
   if elementwise:
     logits_BTSN = (q_BTNH[:, :, None] * k_BSNH[:, None]).sum(-1)
   else:
     logits_BTSN = jnp.einsum("btnh,bsnh->btsn", q_BTNH, k_BSNH)
   T, H = q_BTNH.shape[1], q_BTNH.shape[-1]
   causal_TS = jnp.tril(jnp.ones((T, T), bool))[None, :, :, None]
+  if same_BTS is not None:
+    causal_TS = causal_TS & same_BTS[..., None]
   logits_BTSN = jnp.where(causal_TS, logits_BTSN.astype(jnp.float32) * H**-0.5, -1e30)
   return jax.nn.softmax(logits_BTSN, axis=2).astype(q_BTNH.dtype)
 
@@ -170,19 +224,34 @@ class Block(nnx.Module):
       self.norm1_out = Norm(d, kind, rngs=rngs)
       self.norm2_out = Norm(d, kind, rngs=rngs)
 
-  def __call__(self, x_BTD, with_probs: bool = False):
+  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the attention weights."""
+    x_BTD, probs = self._apply(
+      x_BTD, lambda y: _split(self.attn(y, with_probs, segments_BT), with_probs)
+    )
+    return (x_BTD, probs) if with_probs else x_BTD
+
+  def cached(self, x_BTD, kv, offset):
+    """The layer on tokens at positions offset.., attention over a key/value
+    cache (Attention.cached): (output, the updated cache)."""
+    return self._apply(x_BTD, lambda y: self.attn.cached(y, kv, offset))
+
+  def _apply(self, x_BTD, attn):
+    """The layer around `attn` (input -> (output, extra)): (output, extra)."""
     if self.position == "post":
-      a_BTD, probs = self.attn(x_BTD, with_probs=True)
+      a_BTD, extra = attn(x_BTD)
       x_BTD = self.norm1(x_BTD + a_BTD)
-      x_BTD = self.norm2(x_BTD + self.mlp(x_BTD))
-      return (x_BTD, probs) if with_probs else x_BTD
-    a_BTD, probs = self.attn(self.norm1(x_BTD), with_probs=True)
+      return self.norm2(x_BTD + self.mlp(x_BTD)), extra
+    a_BTD, extra = attn(self.norm1(x_BTD))
     if self.position == "sandwich":
       a_BTD = self.norm1_out(a_BTD)
     x_BTD = x_BTD + a_BTD
     m_BTD = self.mlp(self.norm2(x_BTD))
     if self.position == "sandwich":
       m_BTD = self.norm2_out(m_BTD)
-    x_BTD = x_BTD + m_BTD
-    return (x_BTD, probs) if with_probs else x_BTD
+    return x_BTD + m_BTD, extra
+
+
+def _split(out, with_probs: bool):
+  """(output, weights or None) of an attention call."""
+  return out if with_probs else (out, None)

@@ -21,13 +21,15 @@ def sinusoidal(max_len: int, d: int) -> np.ndarray:
 class LoopedTransformer(nnx.Module):
   """A block of L layers whose weights are shared across R iterations.
 
-  `cfg` is the `model` section of the config. The answer is read at
-  `answer_pos_B` (the last real token); with `per_iteration=True` the call
-  also returns the answer logits after each iteration, shape (R, B, V).
+  `cfg` is the `model` section of the config. The knowledge-graph tasks read
+  the answer at `answer_pos_B` (the last real token); with `per_iteration=True`
+  the call also returns the answer logits after each iteration, (R, B, V).
+  A language model (`answer_pos_B` None) reads logits at every position,
+  (B, T, V); `segments_BT` keeps attention inside each packed document.
   """
 
   def __init__(self, cfg, vocab_size: int, max_len: int, *, rngs: nnx.Rngs):
-    self.cfg = cfg
+    self.cfg, self.max_len = cfg, max_len
     d = cfg.d_model
     normal = nnx.initializers.normal(cfg.init_std)
     embedding = nnx.initializers.normal(cfg.embed_init_std)  # tokens and positions
@@ -50,13 +52,17 @@ class LoopedTransformer(nnx.Module):
       else param(rngs, normal, (d, vocab_size), ("embed", "vocab"))
     )
 
-  def embed_tokens(self, tokens_BT):
+  def embed_tokens(self, tokens_BT, offset=0):
+    """Token (and absolute position) embeddings; `offset`: the first token's
+    position (decoding with a cache; may be traced)."""
     x_BTD = self.embed[tokens_BT]
     T, D = x_BTD.shape[1:]
-    if self.cfg.pos_encoding == "learned":
-      x_BTD = x_BTD + self.pos[None, :T]
-    elif self.cfg.pos_encoding == "sinusoidal":
-      x_BTD = x_BTD + sinusoidal(T, D)[None]
+    kind = self.cfg.pos_encoding
+    if kind in ("learned", "sinusoidal"):
+      table = self.pos[...] if kind == "learned" else sinusoidal(self.max_len, D)
+      x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(table, offset, T)[None].astype(
+        x_BTD.dtype
+      )
     return x_BTD
 
   def initial_state(self, x_BTD, key):
@@ -66,11 +72,11 @@ class LoopedTransformer(nnx.Module):
       return jnp.zeros_like(x_BTD)
     return jax.random.normal(key, x_BTD.shape, x_BTD.dtype)  # Huginn-style
 
-  def encode(self, tokens_BT, key=None):
+  def encode(self, tokens_BT, key=None, segments_BT=None):
     """(x_BTD, h_BTD): the input the core sees each iteration, and its first state."""
     x_BTD = self.embed_tokens(tokens_BT)
     for block in self.prelude:
-      x_BTD = block(x_BTD)
+      x_BTD = block(x_BTD, segments_BT=segments_BT)
     return x_BTD, self.initial_state(x_BTD, key)
 
   def inject(self, h_BTD, x_BTD):
@@ -83,14 +89,14 @@ class LoopedTransformer(nnx.Module):
       )
     return h_BTD
 
-  def core_step(self, h_BTD, x_BTD, with_probs: bool = False):
+  def core_step(self, h_BTD, x_BTD, with_probs: bool = False, segments_BT=None):
     """One iteration of the shared core, with the input injected first;
     with_probs: also each layer's output and attention weights (`trace`)."""
     h_BTD = sharding.constrain(self.inject(h_BTD, x_BTD), ("batch", None, None))
     if with_probs:
-      return _traced(self.core, h_BTD)
+      return _traced(self.core, h_BTD, segments_BT)
     for block in self.core:
-      h_BTD = block(h_BTD)
+      h_BTD = block(h_BTD, segments_BT=segments_BT)
     return h_BTD
 
   def logits(self, h_D):
@@ -100,13 +106,59 @@ class LoopedTransformer(nnx.Module):
     w_DV = self.embed.T if self.unembed is None else self.unembed
     return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
 
-  def readout(self, h_BTD, answer_pos_B):
-    """Coda, final norm and unembedding at the answer position: logits (B, V)."""
+  def readout(self, h_BTD, answer_pos_B, segments_BT=None):
+    """Coda, final norm and unembedding: logits at the answer position (B, V),
+    or at every position (B, T, V) where `answer_pos_B` is None."""
     for block in self.coda:
-      h_BTD = block(h_BTD)
+      h_BTD = block(h_BTD, segments_BT=segments_BT)
+    if answer_pos_B is None:
+      return self.logits(h_BTD)
     return self.logits(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0])
 
-  def trace(self, tokens_BT, num_loops: int, key=None) -> dict:
+  def init_cache(self, batch: int, length: int, num_loops: int, dtype) -> dict:
+    """Empty key/value caches for `decode`: per prelude and coda layer (B, S, N,
+    H) each, per core layer (R, B, S, N, H) each (every iteration its own)."""
+    N = self.cfg.num_heads
+    shape = (batch, length, N, self.cfg.d_model // N)
+
+    def kv(*lead):
+      return tuple(jnp.zeros((*lead, *shape), dtype) for _ in range(2))
+
+    return {
+      "prelude": [kv() for _ in self.prelude],
+      "core": [kv(num_loops) for _ in self.core],
+      "coda": [kv() for _ in self.coda],
+    }
+
+  def decode(self, tokens_BT, cache: dict, offset, key=None):
+    """Next-token logits (B, T, V) of tokens at positions offset.., given the
+    caches of every earlier position (`init_cache`); returns the caches with
+    these tokens' keys and values written in. Prefill and one-token steps are
+    the same call; R is the caches' leading core axis. Equal to the full
+    forward's logits at those positions (a random initial state excepted:
+    it is drawn per call)."""
+    x_BTD = self.embed_tokens(tokens_BT, offset)
+    new = {"prelude": [], "coda": []}
+    for block, kv in zip(self.prelude, cache["prelude"], strict=True):
+      x_BTD, kv = block.cached(x_BTD, kv, offset)
+      new["prelude"].append(kv)
+    h_BTD = self.initial_state(x_BTD, key)
+
+    def iteration(h_BTD, kv_per_layer):
+      h_BTD = self.inject(h_BTD, x_BTD)
+      out = []
+      for block, kv in zip(self.core, kv_per_layer, strict=True):
+        h_BTD, kv = block.cached(h_BTD, kv, offset)
+        out.append(kv)
+      return h_BTD, out
+
+    h_BTD, new["core"] = jax.lax.scan(iteration, h_BTD, cache["core"])
+    for block, kv in zip(self.coda, cache["coda"], strict=True):
+      h_BTD, kv = block.cached(h_BTD, kv, offset)
+      new["coda"].append(kv)
+    return self.logits(h_BTD), new
+
+  def trace(self, tokens_BT, num_loops: int, key=None, segments_BT=None) -> dict:
     """Every layer's output and attention weights, for the analyses.
 
     The same layers and the same `recurrence.unroll` as training: the core's
@@ -118,7 +170,7 @@ class LoopedTransformer(nnx.Module):
     """
     x_BTD = self.embed_tokens(tokens_BT)
     out = {"embed": x_BTD}
-    x_BTD, out["prelude"] = _traced(self.prelude, x_BTD)
+    x_BTD, out["prelude"] = _traced(self.prelude, x_BTD, segments_BT)
     h_BTD = self.initial_state(x_BTD, key)
     (B, T, D), L, N = h_BTD.shape, len(self.core), self.cfg.num_heads
     layers0 = {  # the carry's shape before the first iteration
@@ -126,13 +178,13 @@ class LoopedTransformer(nnx.Module):
       "attn": jnp.zeros((L, B, N, T, T), h_BTD.dtype),
     }
     (h_BTD, _), out["core"] = recurrence.unroll(
-      lambda carry: self.core_step(carry[0], x_BTD, with_probs=True),
+      lambda carry: self.core_step(carry[0], x_BTD, True, segments_BT),
       (h_BTD, layers0),
       num_loops,
       scan_unroll=self.cfg.scan_unroll,
       readout=lambda carry: carry[1],
     )
-    _, out["coda"] = _traced(self.coda, h_BTD)
+    _, out["coda"] = _traced(self.coda, h_BTD, segments_BT)
     return out
 
   def __call__(
@@ -145,28 +197,32 @@ class LoopedTransformer(nnx.Module):
     key=None,
     depth=None,
     grad_depth: int = 0,
+    segments_BT=None,
   ):
-    """Answer logits (B, V); see `recurrence.unroll` for depth and grad_depth."""
-    x_BTD, h_BTD = self.encode(tokens_BT, key)
+    """Logits (B, V) at the answer, or (B, T, V) for a language model; see
+    `recurrence.unroll` for depth and grad_depth."""
+    x_BTD, h_BTD = self.encode(tokens_BT, key, segments_BT)
     h_BTD, logits_RBV = recurrence.unroll(
-      lambda h: self.core_step(h, x_BTD),
+      lambda h: self.core_step(h, x_BTD, segments_BT=segments_BT),
       h_BTD,
       num_loops or self.cfg.num_loops,
       remat=self.cfg.remat,
       scan_unroll=self.cfg.scan_unroll,
-      readout=(lambda h: self.readout(h, answer_pos_B)) if per_iteration else None,
+      readout=(lambda h: self.readout(h, answer_pos_B, segments_BT))
+      if per_iteration
+      else None,
       depth=depth,
       grad_depth=grad_depth,
     )
-    logits_BV = self.readout(h_BTD, answer_pos_B)
+    logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
 
 
-def _traced(blocks, h_BTD):
+def _traced(blocks, h_BTD, segments_BT=None):
   """h through `blocks`, and each block's output and attention weights stacked."""
   hidden, attn = [], []
   for block in blocks:
-    h_BTD, probs_BNTS = block(h_BTD, with_probs=True)
+    h_BTD, probs_BNTS = block(h_BTD, with_probs=True, segments_BT=segments_BT)
     hidden.append(h_BTD)
     attn.append(probs_BNTS)
   return h_BTD, (

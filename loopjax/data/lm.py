@@ -1,0 +1,348 @@
+"""The language-model task's data: a corpus tokenized once, stored, and packed.
+
+A byte-level BPE tokenizer is trained on the corpus at `data.vocab_size` (or
+`data.tokenizer` names a tokenizer.json), cached under data_dir by the
+corpus's fingerprint. The tokenized documents are a TFDS dataset (array_record)
+named by the corpus's and the tokenizer's fingerprints, with the tokenizer
+beside it, prepared once and shared by every run and host. Documents are held
+out for validation by a hash of their key (or the source's own validation
+split), so no text of a held-out document is ever trained on.
+
+Each split is read into one stream: `<bos> doc <eos> <bos> doc <eos> ...`
+(`data.bos`), with the document index of every token. A sequence is a window
+of `data.seq_len + 1` tokens: the inputs and, shifted by one, the targets;
+attention stays inside a document (segment ids) and a target that starts
+another document gets no loss.
+"""
+
+import dataclasses
+import fcntl
+import hashlib
+import sys
+from pathlib import Path
+
+import numpy as np
+import tensorflow_datasets as tfds
+
+from loopjax.data import corpus as corpus_lib
+from loopjax.data import pipeline
+from loopjax.errors import ConfigError
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
+# Names other tokenizers give the same tokens, first match wins.
+_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
+_EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
+_PAD = ("<pad>", "<|pad|>", "[PAD]")
+MIN_VOCAB = 256 + len(SPECIALS)  # every byte, and the specials
+
+
+@dataclasses.dataclass(frozen=True)
+class LmData:
+  """Token streams of the train and validation splits, and their tokenizer."""
+
+  tokenizer_json: str
+  vocab_size: int
+  pad_id: int
+  bos_id: int
+  eos_id: int
+  seq_len: int
+  streams: dict  # split -> {"tokens": (N,), "segments": (N,)} int32
+  fingerprint: str
+  task: str = "lm"
+
+  @property
+  def max_len(self) -> int:
+    return self.seq_len
+
+  def num_windows(self, split: str) -> int:
+    return max((len(self.streams[split]["tokens"]) - 1) // self.seq_len, 0)
+
+  def summary(self) -> dict:
+    return {
+      "fingerprint": self.fingerprint,
+      "sizes": {k: len(v["tokens"]) for k, v in self.streams.items()},
+      "vocab_size": self.vocab_size,
+    }
+
+
+def windows(stream: dict, idx_B: np.ndarray, seq_len: int) -> dict:
+  """The batch of windows `idx_B`: inputs, targets, their loss mask, segments."""
+  at_BT = idx_B[:, None] * seq_len + np.arange(seq_len + 1)[None]
+  tokens, segments = stream["tokens"][at_BT], stream["segments"][at_BT]
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segments": segments[:, :-1],
+    "mask": (segments[:, 1:] == segments[:, :-1]).astype(np.float32),
+  }
+
+
+# --- the tokenizer -------------------------------------------------------------
+
+
+def tokenizer_from_json(text: str):
+  from tokenizers import Tokenizer
+
+  return Tokenizer.from_str(text)
+
+
+def train_tokenizer(docs, vocab_size: int) -> str:
+  """A byte-level BPE (every byte a token: any text encodes) as tokenizer.json."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+    vocab_size=vocab_size,
+    special_tokens=list(SPECIALS),
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    show_progress=False,
+  )
+  tok.train_from_iterator((text for _, text in docs), trainer=trainer)
+  return tok.to_str()
+
+
+def _given_tokenizer(path: str, vocab_size: int) -> str:
+  p = Path(path).expanduser()
+  try:
+    text = p.read_text()
+    tok = tokenizer_from_json(text)
+  except Exception as e:  # missing, unreadable, or not a tokenizer.json
+    raise ConfigError(
+      f"data.tokenizer: {p} does not load as a tokenizer.json ({type(e).__name__})"
+    ) from None
+  if tok.get_vocab_size() != vocab_size:
+    raise ConfigError(
+      f"data.tokenizer: {p} has {tok.get_vocab_size()} tokens but data.vocab_size "
+      f"is {vocab_size}; set data.vocab_size={tok.get_vocab_size()}"
+    )
+  return text
+
+
+def special_ids(tokenizer_json: str, where: str) -> tuple[int, int, int]:
+  """(pad, bos, eos) ids; pad falls back to eos (padding is masked anyway)."""
+  tok = tokenizer_from_json(tokenizer_json)
+
+  def find(names):
+    return next((i for n in names if (i := tok.token_to_id(n)) is not None), None)
+
+  bos, eos, pad = find(_BOS), find(_EOS), find(_PAD)
+  if eos is None or bos is None:
+    raise ConfigError(
+      f"data.tokenizer: {where} has no {'end' if eos is None else 'beginning'}"
+      f"-of-document token (one of {', '.join(_EOS if eos is None else _BOS)})"
+    )
+  return (eos if pad is None else pad), bos, eos
+
+
+def _sha(text: str) -> str:
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+# --- storage -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _TokensConfig(tfds.core.BuilderConfig):
+  corpus: object = None
+  tokenizer_json: str = ""
+  valid_fraction: float = 0.0
+  seed: int = 0
+
+
+class LmTokens(tfds.core.GeneratorBasedBuilder):
+  """A corpus's documents as token ids (no specials), in key order."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+      builder=self,
+      features=tfds.features.FeaturesDict(
+        {
+          "ids": tfds.features.Tensor(shape=(None,), dtype=np.int32),
+          "index": tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
+      metadata=tfds.core.MetadataDict(),
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    c = self.builder_config
+    splits = held_out(c.corpus, c.valid_fraction, c.seed)
+    tok = tokenizer_from_json(c.tokenizer_json)
+    ids = {
+      k: [e.ids for e in tok.encode_batch([t for _, t in v])] for k, v in splits.items()
+    }
+    self.info.metadata["fingerprint"] = _stored_fingerprint(ids)
+    self.info.metadata["documents"] = {k: len(v) for k, v in ids.items()}
+    return {k: self._generate_examples(v) for k, v in ids.items()}
+
+  def _generate_examples(self, docs):
+    for i, ids in enumerate(docs):
+      yield i, {"ids": np.asarray(ids, np.int32), "index": i}
+
+
+def held_out(corpus, valid_fraction: float, seed: int) -> dict:
+  """{"train": docs, "validation": docs}: the source's own validation split, or
+  the documents whose key hashes (with the seed) below `valid_fraction`."""
+  if corpus.validation:
+    return {"train": list(corpus.docs), "validation": list(corpus.validation)}
+  if len(corpus.docs) < 2:
+    raise ConfigError(
+      f"data.source: {corpus.source} has {len(corpus.docs)} document; a validation "
+      "split holds out whole documents, so it needs at least 2"
+    )
+
+  def u(key):  # a uniform draw in [0, 1) per document, fixed by key and seed
+    return int(hashlib.sha256(f"{seed}|{key}".encode()).hexdigest()[:12], 16) / 16**12
+
+  draws = np.array([u(k) for k, _ in corpus.docs])
+  valid = draws < valid_fraction
+  if not valid.any():  # at least one, at most all but one
+    valid[np.argmin(draws)] = True
+  if valid.all():
+    valid[np.argmax(draws)] = False
+  return {
+    "train": [d for d, v in zip(corpus.docs, valid, strict=True) if not v],
+    "validation": [d for d, v in zip(corpus.docs, valid, strict=True) if v],
+  }
+
+
+def _stored_fingerprint(ids: dict) -> str:
+  h = hashlib.sha256()
+  for split in sorted(ids):
+    for doc in ids[split]:
+      a = np.asarray(doc, "<i4")
+      h.update(f"|{split}:{a.size}|".encode())
+      h.update(a.tobytes())
+  return h.hexdigest()
+
+
+def _locked(root: Path, name: str):
+  root.mkdir(parents=True, exist_ok=True)
+  lock = open(root / f"{name}.lock", "w")  # noqa: SIM115 (closed by the caller)
+  fcntl.flock(lock, fcntl.LOCK_EX)
+  return lock
+
+
+def tokenizer(data_cfg, corpus) -> str:
+  """The tokenizer.json text: data.tokenizer, or trained once per corpus."""
+  if data_cfg.tokenizer:
+    return _given_tokenizer(data_cfg.tokenizer, data_cfg.vocab_size)
+  root = Path(data_cfg.data_dir).expanduser() / "lm_tokenizers"
+  name = f"bpe_{corpus.fingerprint[:16]}_v{data_cfg.vocab_size}"
+  path = root / f"{name}.json"
+  with _locked(root, name):
+    if not path.exists():
+      print(f"data: training a {data_cfg.vocab_size}-token BPE on {corpus.source}")
+      tmp = path.with_suffix(".tmp")
+      tmp.write_text(train_tokenizer(corpus.docs, data_cfg.vocab_size))
+      tmp.replace(path)
+    return path.read_text()
+
+
+def read(data_cfg) -> LmData:
+  """The corpus tokenized (preparing it once), as streams, fingerprint-checked."""
+  corpus = corpus_lib.load(data_cfg)
+  tok_json = tokenizer(data_cfg, corpus)
+  pad, bos, eos = special_ids(tok_json, data_cfg.tokenizer or "the trained tokenizer")
+  name = (
+    f"c{corpus.fingerprint[:16]}_t{_sha(tok_json)[:16]}"
+    f"_f{data_cfg.valid_fraction!r}_s{data_cfg.seed}"
+  )
+  root = Path(data_cfg.data_dir).expanduser()
+  config = _TokensConfig(
+    name=name,
+    corpus=corpus,
+    tokenizer_json=tok_json,
+    valid_fraction=float(data_cfg.valid_fraction),
+    seed=int(data_cfg.seed),
+  )
+  with _locked(root, f"lm_tokens_{name}"):
+    builder = LmTokens(config=config, data_dir=root)
+    if not builder.is_prepared():
+      tfds.display_progress_bar(sys.stderr.isatty())
+      try:
+        builder.download_and_prepare(file_format="array_record")
+      finally:
+        tfds.display_progress_bar(True)
+      (Path(builder.data_dir) / "tokenizer.json").write_text(tok_json)
+  sources = builder.as_data_source()
+  docs = {}
+  for split in ("train", "validation"):
+    src = sources[split]
+    records = src.__getitems__(range(len(src)))
+    docs[split] = [r["ids"] for r in sorted(records, key=lambda r: r["index"])]
+  stored = builder.info.metadata["fingerprint"]
+  if _stored_fingerprint(docs) != stored:
+    raise ConfigError(
+      f"{builder.data_dir}: the tokens on disk do not match their fingerprint; "
+      "the data is corrupt, delete that directory"
+    )
+  streams = {k: _stream(v, bos if data_cfg.bos else None, eos) for k, v in docs.items()}
+  data = LmData(
+    tokenizer_json=tok_json,
+    vocab_size=tokenizer_from_json(tok_json).get_vocab_size(),
+    pad_id=pad,
+    bos_id=bos,
+    eos_id=eos,
+    seq_len=int(data_cfg.seq_len),
+    streams=streams,
+    fingerprint=_sha(f"{stored}|{_sha(tok_json)}|bos={bool(data_cfg.bos)}"),
+  )
+  for split in streams:
+    if data.num_windows(split) < 1:
+      raise ConfigError(
+        f"data.seq_len: the {split} split has {len(streams[split]['tokens'])} tokens, "
+        f"fewer than one sequence of {data.seq_len} + 1; use a shorter data.seq_len "
+        "or a larger corpus"
+      )
+  return data
+
+
+def without_streams(data_cfg, tokenizer_json: str) -> LmData:
+  """The task's shape (vocabulary, specials, sequence length) without its
+  corpus: what building a model to restore or sample needs."""
+  pad, bos, eos = special_ids(tokenizer_json, "tokenizer.json")
+  return LmData(
+    tokenizer_json=tokenizer_json,
+    vocab_size=tokenizer_from_json(tokenizer_json).get_vocab_size(),
+    pad_id=pad,
+    bos_id=bos,
+    eos_id=eos,
+    seq_len=int(data_cfg.seq_len),
+    streams={},
+    fingerprint="",
+  )
+
+
+def _stream(docs, bos: int | None, eos: int) -> dict:
+  pieces, segments = [], []
+  for i, ids in enumerate(docs):
+    doc = np.concatenate([[] if bos is None else [bos], ids, [eos]]).astype(np.int32)
+    pieces.append(doc)
+    segments.append(np.full(len(doc), i, np.int32))
+  return {"tokens": np.concatenate(pieces), "segments": np.concatenate(segments)}
+
+
+def encode(tokenizer_json: str, text: str) -> list[int]:
+  return tokenizer_from_json(tokenizer_json).encode(text).ids
+
+
+def decode(tokenizer_json: str, ids) -> str:
+  return tokenizer_from_json(tokenizer_json).decode(list(map(int, ids)))
+
+
+def train_iterator(data: LmData, batch_size: int, seed: int, shard=(0, 1)):
+  """Endless shuffled batches of training windows (pipeline.shuffled_batches)."""
+  stream, T = data.streams["train"], data.seq_len
+  return pipeline.shuffled_batches(
+    np.arange(data.num_windows("train")),
+    batch_size,
+    seed,
+    lambda idx_B: windows(stream, idx_B, T),
+    shard,
+  )

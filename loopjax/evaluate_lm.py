@@ -1,0 +1,130 @@
+"""A language model's validation loss after every iteration, from one pass.
+
+The per-iteration readout reduces each iteration's logits to summed
+cross-entropy and correct counts per sequence inside the scan, so evaluating
+at 1..R_eval iterations holds one iteration's (B, T, V) logits, never R_eval of
+them. Iterations past the trained R show what more recurrence does.
+"""
+
+import math
+import time
+
+import jax
+import numpy as np
+
+from loopjax import loss, recurrence, sharding
+from loopjax.data import lm
+from loopjax.state import Model, eval_key
+
+
+def depths(config) -> list[int]:
+  """1..max(eval.depths, R): every iteration count one pass reads."""
+  deepest = max([config.model.num_loops, *map(int, config.eval.depths)])
+  return list(range(1, deepest + 1))
+
+
+def per_iteration_sums(model: Model, batch, num_loops: int, key):
+  """(loss, correct) summed per sequence after each iteration: (R, B) each."""
+  m = model.module()
+  seg = batch["segments"]
+  x_BTD, h_BTD = m.encode(batch["inputs"], key, seg)
+
+  def readout(h_BTD):
+    logits_BTV = m.readout(h_BTD, None, seg)
+    per_row = jax.vmap(lambda lg, t, k: loss.lm_xent(lg[None], t[None], k[None])[:2])
+    return per_row(logits_BTV, batch["targets"], batch["mask"])
+
+  _, (loss_RB, correct_RB) = recurrence.unroll(
+    lambda h: m.core_step(h, x_BTD, segments_BT=seg),
+    h_BTD,
+    num_loops,
+    scan_unroll=m.cfg.scan_unroll,
+    readout=readout,
+  )
+  return loss_RB, correct_RB
+
+
+def unigram_loss(task, batches) -> float:
+  """The baseline: validation loss of the training set's token frequencies
+  (add-one smoothed), over the same targets the model is scored on."""
+  counts = np.bincount(task.streams["train"]["tokens"], minlength=task.vocab_size)
+  logp = np.log((counts + 1) / (counts.sum() + task.vocab_size))
+  total = sum(float(-(logp[b["targets"]] * b["mask"]).sum()) for b in batches)
+  return total / sum(float(b["mask"].sum()) for b in batches)
+
+
+class LmEvaluator:
+  """Validation loss, perplexity and next-token accuracy per iteration count."""
+
+  def __init__(self, graphdef, config, task, mesh=None, param_shardings=None):
+    self.R, self.depths = config.model.num_loops, depths(config)
+    self.task, self.seq_len = task, task.seq_len
+    n = task.num_windows("validation")
+    limit = config.data.valid_sequences
+    self.windows = np.arange(min(n, limit) if limit else n)
+    split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
+    self.batch_size = split * math.ceil(
+      min(config.eval.batch_size, len(self.windows)) / split
+    )
+    self.unigram_loss = unigram_loss(task, list(self._batches()))
+    key, dtype, R_eval = eval_key(config), config.model.dtype, self.depths[-1]
+    rules = config.sharding.rules
+
+    def eval_step(params, batch):
+      with sharding.active(mesh, rules):
+        return per_iteration_sums(Model(graphdef, params, dtype), batch, R_eval, key)
+
+    if mesh is None:
+      self._step, self._put = jax.jit(eval_step), lambda b: b
+    else:
+      batch_sharding = sharding.batch_sharding(mesh, rules)
+      self._step = jax.jit(
+        eval_step,
+        in_shardings=(param_shardings, batch_sharding),
+        out_shardings=sharding.replicated(mesh),
+      )
+      self._put = lambda b: sharding.global_from_full(b, batch_sharding)
+
+  def _batches(self):
+    stream, B = self.task.streams["validation"], self.batch_size
+    for start in range(0, len(self.windows), B):
+      idx = self.windows[start : start + B]
+      real = len(idx)
+      batch = lm.windows(stream, np.resize(idx, B), self.seq_len)
+      batch["mask"][real:] = 0.0  # the repeated windows that fill the last batch
+      yield batch
+
+  def per_depth(self, params) -> tuple[dict, dict]:
+    """({"validation": {"loss", "ppl", "acc": {depth: .}}, "tokens_per_s"}, {})."""
+    t = time.perf_counter()
+    batches = list(self._batches())
+    outs = jax.device_get([self._step(params, self._put(b)) for b in batches])
+    seconds = time.perf_counter() - t
+    tokens = sum(float(b["mask"].sum()) for b in batches)
+    loss_R = sum(o[0].sum(-1) for o in outs) / tokens
+    acc_R = sum(o[1].sum(-1) for o in outs) / tokens
+    res = {
+      "loss": {d: float(loss_R[d - 1]) for d in self.depths},
+      "ppl": {d: float(math.exp(min(loss_R[d - 1], 50.0))) for d in self.depths},
+      "acc": {d: float(acc_R[d - 1]) for d in self.depths},
+      "tokens": tokens,
+      "unigram_loss": self.unigram_loss,
+      "tokens_per_s": tokens / seconds,  # at R_eval iterations, forward only
+    }
+    return {"validation": res}, {}
+
+  def run(self, params) -> dict:
+    return self.run_all(params)[0]
+
+  def run_all(self, params) -> tuple[dict, dict]:
+    """(`eval/validation/{loss,ppl,acc}` at the trained R and `loss@<d>` for
+    every d, results per depth as `per_depth`)."""
+    per_depth = self.per_depth(params)[0]
+    res = per_depth["validation"]
+    out = {f"eval/validation/{k}": res[k][self.R] for k in ("loss", "ppl", "acc")}
+    out |= {
+      f"eval/validation/loss@{d}": v for d, v in res["loss"].items() if d != self.R
+    }
+    out["eval/validation/unigram_loss"] = self.unigram_loss
+    out["eval/tokens_per_s"] = res["tokens_per_s"]
+    return out, per_depth

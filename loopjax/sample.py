@@ -1,0 +1,111 @@
+"""`--mode=sample`: text from a language-model run, with a key/value cache.
+
+The prompt is one prefill call; every new token is one call of the same
+compiled step at the next position (the position is an argument), so the
+cost per token is one iteration stack over one position, not a forward pass
+over the whole sequence.
+"""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopjax import evaluate
+from loopjax.data import lm
+from loopjax.errors import ConfigError
+from loopjax.state import Model
+
+
+def generate(
+  model: Model,
+  prompt_BT,
+  max_new_tokens: int,
+  *,
+  num_loops: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  seed: int = 0,
+  eos_id: int | None = None,
+):
+  """(tokens (B, T + max_new_tokens), the logits of each chosen token's step
+  (B, max_new_tokens, V)). temperature 0: greedy; top_k > 0: sample among
+  the k likeliest. Stops early only where every row has produced eos_id."""
+  B, T = prompt_BT.shape
+  length = T + max_new_tokens
+  module = model.module()
+  cache = module.init_cache(B, length, num_loops, model.dtype)
+
+  @jax.jit
+  def prefill(model, tokens_BT, cache):
+    logits_BTV, cache = model.module().decode(tokens_BT, cache, 0)
+    return logits_BTV[:, -1], cache
+
+  @jax.jit
+  def step(model, token_B, cache, offset, key):
+    logits_BTV, cache = model.module().decode(token_B[:, None], cache, offset)
+    return logits_BTV[:, 0], cache
+
+  def choose(logits_BV, key):
+    if temperature <= 0:
+      return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if top_k:
+      kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+      logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    return jax.random.categorical(key, logits_BV)
+
+  logits_BV, cache = prefill(model, jnp.asarray(prompt_BT), cache)
+  keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+  out, seen = [], []
+  for i in range(max_new_tokens):
+    token_B = choose(logits_BV, keys[i]).astype(jnp.int32)
+    out.append(token_B)
+    seen.append(logits_BV)
+    if eos_id is not None and bool((token_B == eos_id).all()):
+      break
+    if i + 1 < max_new_tokens:
+      logits_BV, cache = step(model, token_B, cache, jnp.int32(T + i), keys[i])
+  tokens = np.concatenate([np.asarray(prompt_BT), np.stack(out, 1)], 1)
+  return tokens, np.stack(seen, 1)
+
+
+def sample(config, workdir, prompt: str, *, step=None, num_loops=None, **kw) -> str:
+  """Restores the run's checkpoint (default: the newest) and continues
+  `prompt` at `num_loops` recurrences (default: the trained R)."""
+  if config.data.task != "lm":
+    raise ConfigError(
+      "--mode=sample: needs a language-model run (data.task lm); got "
+      f"{config.data.task!r}"
+    )
+  path = Path(workdir) / "tokenizer.json"
+  if not path.exists():
+    raise ConfigError(f"--workdir={workdir}: no tokenizer.json; is it an LM run?")
+  task = lm.without_streams(config.data, path.read_text())
+  ids = ([task.bos_id] if config.data.bos else []) + lm.encode(
+    task.tokenizer_json, prompt
+  )
+  new = kw.pop("max_new_tokens")
+  if (
+    config.model.pos_encoding in ("learned", "sinusoidal")
+    and len(ids) + new > task.seq_len
+  ):
+    raise ConfigError(
+      f"--max_new_tokens: the prompt ({len(ids)} tokens) and {new} new tokens exceed "
+      f"the {task.seq_len} positions of a {config.model.pos_encoding}-position model"
+    )
+  reader = evaluate.Reader(config, workdir, task)
+  try:
+    model, step = reader.model(step)
+  finally:
+    reader.close()
+  tokens, _ = generate(
+    model,
+    np.asarray([ids], np.int32),
+    new,
+    num_loops=num_loops or config.model.num_loops,
+    eos_id=task.eos_id,
+    **kw,
+  )
+  return lm.decode(task.tokenizer_json, tokens[0, 1 if config.data.bos else 0 :])
