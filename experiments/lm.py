@@ -53,8 +53,14 @@ def get_config(variant: str = "cpu"):
   elif variant == "gpu":
     c.data.update(vocab_size=32768, seq_len=1024, valid_sequences=256)
     c.model.update(
-      d_model=1024, num_heads=16, num_prelude=2, num_layers=4, num_coda=2,
-      num_loops=4, dtype="bfloat16", remat="full",
+      d_model=1024,
+      num_heads=16,
+      num_prelude=2,
+      num_layers=4,
+      num_coda=2,
+      num_loops=4,
+      dtype="bfloat16",
+      remat="full",
     )
     c.train.update(batch_size=64, num_steps=100_000, lr=6e-4, warmup_steps=2000)
     c.train.z_loss = 1e-4
