@@ -21,7 +21,9 @@ ENUMS = {
   "data.task": ("composition", "chains", "lm"),
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
-  "model.norm_position": ("pre", "sandwich", "post"),
+  "model.norm_position": ("pre", "sandwich", "residual", "post"),
+  "model.mlp_type": ("gelu", "swiglu"),
+  "model.rope_pairing": ("half", "interleaved"),
   "model.norm_type": ("layernorm", "rmsnorm"),
   "model.init_state": ("embedding", "zeros", "random"),
   "model.remat": ("none", "full", "dots"),
@@ -79,15 +81,23 @@ def base() -> ml_collections.ConfigDict:
   c.model = dict(
     d_model=64,
     num_heads=4,
+    num_kv_heads=0,  # grouped-query attention: 0 = num_heads
+    mlp_type="gelu",  # or "swiglu" (no biases)
     mlp_ratio=4,
+    mlp_hidden=0,  # the MLP's width; 0: mlp_ratio * d_model
     num_prelude=0,
     num_layers=1,  # L: layers in the shared core
     num_loops=4,  # R: iterations of the core
     num_coda=0,
     pos_encoding="learned",
+    rope_theta=10_000.0,
+    rope_pairing="half",  # dimensions rotated together: (i, i + H/2) or (2i, 2i+1)
+    embed_scale=1.0,  # token embeddings x this (Huginn: sqrt(d_model))
     injection="none",
     norm_position="pre",
     norm_type="layernorm",
+    norm_eps=1e-5,
+    state_norm=False,  # normalize the carried state after each iteration (Ouro)
     init_state="embedding",
     init_std=0.02,  # projections (and an untied unembedding, the concat adapter)
     embed_init_std=0.02,  # token and learned position embeddings
@@ -220,6 +230,8 @@ _BOUNDS = {
       "data.seed",
       "model.num_prelude",
       "model.num_coda",
+      "model.num_kv_heads",
+      "model.mlp_hidden",
       "train.warmup_steps",
       "checkpoint.keep_every",
       "analyze.halting.seq_len",
@@ -237,6 +249,9 @@ _BOUNDS = {
   "model.init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "model.embed_init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "model.out_init_scale": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
+  "model.norm_eps": (lambda v: 0 < v < 1, "must be in (0, 1)"),
+  "model.rope_theta": (lambda v: v > 1 and math.isfinite(v), "must be > 1"),
+  "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "train.eps": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
   "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
@@ -326,6 +341,11 @@ def _validate_model(m) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(
       f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
+    )
+  if m.num_kv_heads and m.num_heads % m.num_kv_heads:
+    raise ConfigError(
+      f"model.num_kv_heads: must divide model.num_heads ({m.num_heads}); "
+      f"got {m.num_kv_heads}"
     )
   if m.pos_encoding == "rope" and (m.d_model // m.num_heads) % 2:
     raise ConfigError(

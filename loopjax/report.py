@@ -8,7 +8,9 @@ tabulates, per run, steps and wall time to each phase and the final accuracies;
 a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
 `DIR/plots/ablations.png` (analysis/ablations.py).
 k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
-where the hop curriculum advanced.
+where the hop curriculum advanced. Language-model runs get `plots/lm.png`:
+training and validation loss against step beside the unigram baseline, and
+validation loss by number of iterations at evaluations along the run.
 """
 
 import json
@@ -41,6 +43,45 @@ def _accs(record: dict) -> list[str]:
 
 def _evals(records: list[dict]) -> list[dict]:
   return [r for r in records if _accs(r)]
+
+
+LM_LOSS = "eval/validation/loss"
+
+
+def plot_lm(workdir: Path) -> Path:
+  records = read_jsonl(workdir / "metrics.jsonl")
+  train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+  evals = [r for r in records if LM_LOSS in r]
+  fig, (ax, by_r) = plt.subplots(1, 2, figsize=(11, 4))
+  if train:
+    ax.plot(*zip(*train, strict=True), label="train", alpha=0.6)
+  if evals:
+    ax.plot(
+      [r["step"] for r in evals], [r[LM_LOSS] for r in evals], "o-", label="validation"
+    )
+    if (unigram := evals[-1].get("eval/validation/unigram_loss")) is not None:
+      ax.axhline(unigram, color="gray", ls="--", label="unigram")
+  ax.set(xscale="log", xlabel="step", ylabel="loss (nats / token)", title=workdir.name)
+  picks = (
+    evals if len(evals) <= 4 else [evals[i * (len(evals) - 1) // 3] for i in range(4)]
+  )
+  R = int(json.loads((workdir / "config.json").read_text())["model"]["num_loops"])
+  for r in picks:
+    d = sorted(int(k.rpartition("@")[2]) for k in r if k.startswith(LM_LOSS + "@"))
+    depths = sorted([*d, R])
+    losses = [r[LM_LOSS] if x == R else r[f"{LM_LOSS}@{x}"] for x in depths]
+    by_r.plot(depths, losses, "o-", label=f"step {r['step']}")
+  by_r.axvline(R, color="gray", ls=":", lw=1)
+  by_r.set(
+    xlabel="iterations R at evaluation",
+    ylabel="validation loss",
+    title=f"trained at R = {R}",
+  )
+  for a in (ax, by_r):
+    a.grid(alpha=0.3)
+    if a.get_legend_handles_labels()[0]:
+      a.legend(fontsize=8)
+  return _save(fig, workdir / "plots" / "lm.png")
 
 
 def splits(records: list[dict]) -> list[str]:
@@ -127,6 +168,9 @@ def results_row(workdir: Path) -> dict:
   final = FINAL if evals and "eval/train_inferred/acc" in evals[-1] else None
   if final is None and evals:
     final = tuple(f"{s}/acc" for s in splits(evals))
+  lm = [r for r in records if LM_LOSS in r]
+  if lm:
+    evals, final = lm, ("validation/loss", "validation/unigram_loss", "validation/ppl")
   return {
     "run": workdir.name,
     "steps": max((r["step"] for r in records), default=0),
@@ -171,16 +215,22 @@ def _num(x, digits: int) -> str:
 def report(path: Path) -> list[Path]:
   """Writes the figures and results.md for a run or a sweep root; returns paths."""
   if (path / "metrics.jsonl").exists():
-    runs, figures = [path], [plot_run(path)]
+    runs, figures = [path], [_plot(path)]
   else:
     runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
     if not runs:
       raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
-    figures = [plot_run(r) for r in runs] + [plot_sweep(path, runs)]
+    figures = [_plot(r) for r in runs] + [plot_sweep(path, runs)]
     figures += ablations.write(path, runs)
   table = path / "results.md"
   table.write_text(results_table([results_row(r) for r in runs]))
   return [*figures, table]
+
+
+def _plot(workdir: Path) -> Path:
+  """A run's figure: a language model's losses, else accuracies."""
+  lm = any(LM_LOSS in r for r in read_jsonl(workdir / "metrics.jsonl"))
+  return plot_lm(workdir) if lm else plot_run(workdir)
 
 
 def _style(ax, title: str) -> None:

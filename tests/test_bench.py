@@ -79,3 +79,49 @@ def test_torch_reference_computes_the_same_function():
   tb = torch_ref.to_torch(batch)
   got = ref(tb["inputs"], tb["answer_pos"]).detach().numpy()
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(
+  importlib.util.find_spec("torch") is None,
+  reason="the PyTorch reference needs the `bench` extra",
+)
+def test_torch_reference_computes_the_same_language_model():
+  """The LM shape (rope, RMSNorm, logits at every position), weights copied in."""
+  import numpy as np
+  import torch
+  from flax import nnx
+
+  from experiments import lm
+  from loopjax.bench import torch_ref
+  from loopjax.bench.measure import random_batch
+  from loopjax.state import build_model
+
+  c = lm.get_config("tiny")
+  c.data.seq_len = 12
+  V, T = steps.vocab_size(c), steps.seq_len(c)
+  jax_model = build_model(c.model, V, T, 0)
+  p = nnx.to_pure_dict(nnx.state(jax_model, nnx.Param))
+  t = lambda a: torch.as_tensor(np.array(a))  # noqa: E731
+  ref = torch_ref.LoopedTransformer(c.model, V, T)
+  D = c.model.d_model
+  with torch.no_grad():
+    ref.embed.copy_(t(p["embed"]))
+    ref.norm.weight.copy_(t(p["norm"]["scale"]))
+    for block, w in zip(ref.core, p["core"].values(), strict=True):
+      block.qkv.weight.copy_(t(w["attn"]["wqkv"]).reshape(D, 3 * D).T)
+      block.qkv.bias.copy_(t(w["attn"]["bqkv"]).reshape(3 * D))
+      block.out.weight.copy_(t(w["attn"]["wo"]).reshape(D, D).T)
+      block.out.bias.copy_(t(w["attn"]["bo"]))
+      block.fc1.weight.copy_(t(w["mlp"]["w1"]).T)
+      block.fc1.bias.copy_(t(w["mlp"]["b1"]))
+      block.fc2.weight.copy_(t(w["mlp"]["w2"]).T)
+      block.fc2.bias.copy_(t(w["mlp"]["b2"]))
+      block.norm1.weight.copy_(t(w["norm1"]["scale"]))
+      block.norm2.weight.copy_(t(w["norm2"]["scale"]))
+  batch = random_batch(c, V, T)
+  expected = jax_model(batch["inputs"], None)
+  got = ref(torch.as_tensor(batch["inputs"]).long()).detach().numpy()
+  assert got.shape == (c.train.batch_size, T, V)
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+  step = torch_ref.make_train_step(c, V, T)
+  assert float(step(torch_ref.to_torch(batch))) > 0

@@ -5,7 +5,7 @@ import json
 import pytest
 from conftest import cli, losses, run
 
-from loopjax import metrics, train
+from loopjax import metrics, report, train
 from loopjax.errors import ConfigError
 
 
@@ -31,6 +31,10 @@ def test_an_lm_run_trains_evaluates_per_iteration_and_resumes_bit_exact(
   assert (tmp_path / "straight/tokenizer.json").exists()
   saved = json.loads((tmp_path / "straight/dataset.json").read_text())
   assert saved["vocab_size"] == 300 and set(saved["sizes"]) == {"train", "validation"}
+  paths = report.report(tmp_path / "straight")
+  assert paths[0].name == "lm.png" and paths[0].stat().st_size > 10_000
+  table = (tmp_path / "straight/results.md").read_text()
+  assert "validation/loss" in table and "validation/unigram_loss" in table
 
 
 def test_a_changed_corpus_is_refused_by_its_workdir(lm_config, tmp_path):
@@ -77,3 +81,44 @@ def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   assert bad.stderr.strip().splitlines()[-1] == (
     "error: data.source: text:/no/such/*.txt matches no file"
   )
+
+
+def test_a_sharded_lm_step_matches_one_device(lm_config):
+  """The LM step on a (2, 2, 2) mesh of 8 CPUs, with grouped-query heads and
+  SwiGLU, equals the same step on one device."""
+  import jax
+  import numpy as np
+
+  from loopjax import data, sharding
+  from loopjax.state import sharded_train_state, train_state
+  from loopjax.train import make_train_step
+
+  lm_config.model.update(num_heads=4, num_kv_heads=2, mlp_type="swiglu")
+  task = data.load(lm_config.data)
+  batches = [next(data.lm.train_iterator(task, 8, s)) for s in range(2)]
+  graphdef, state, tx = train_state(lm_config, task)
+  step = make_train_step(lm_config, graphdef, tx)
+  want = []
+  for b in batches:
+    state, m = step(state, b)
+    want.append(jax.device_get(m))
+  c = lm_config.copy_and_resolve_references()
+  c.mesh.update(data=2, fsdp=2, tensor=2, devices=0)
+  mesh = sharding.make_mesh(c.mesh)
+  graphdef, state, tx, shardings = sharded_train_state(c, task, mesh)
+  step = make_train_step(c, graphdef, tx, mesh, shardings)
+  put = sharding.batch_sharding(mesh, c.sharding.rules)
+  for b, w in zip(batches, want, strict=True):
+    state, m = step(state, sharding.global_batch(b, put, 8))
+    for k, v in w.items():
+      np.testing.assert_allclose(m[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
+
+
+def test_sampled_depth_truncated_backprop_and_remat_train_an_lm(lm_config, tmp_path):
+  lm_config.train.update(num_steps=10, backprop_depth=1)
+  lm_config.train.depth.update(dist="poisson", mean=2.0, min=1, max=3)
+  lm_config.model.remat = "full"
+  last = train.train_and_evaluate(lm_config, tmp_path / "run")
+  records = metrics.read_jsonl(tmp_path / "run/metrics.jsonl")
+  assert {r["train/depth"] for r in records if "train/depth" in r} <= {1.0, 2.0, 3.0}
+  assert last["train/loss"] < 6.0 and last["eval/validation/loss"] < 6.0

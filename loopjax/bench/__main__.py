@@ -47,7 +47,7 @@ def bench_step(config) -> dict:
   }
   if _TORCH.value:
     out["torch"] = steps.torch_step(config)
-  B, T = config.train.batch_size, steps.SEQ_LEN
+  B, T = config.train.batch_size, steps.seq_len(config)
   print(
     f"{'':8}{'step ms':>9}{'ex/s':>9}{'tok/s':>9}{'GFLOP/s':>9}{'MFU':>7}"
     f"{'compile s':>11}{'peak MB':>9}"

@@ -29,6 +29,14 @@ def random_batch(config, vocab_size: int, seq_len: int) -> dict:
   """A training batch of the task's shapes (tokens are random: speed only)."""
   rng = np.random.default_rng(config.seed)
   B = config.train.batch_size
+  if config.data.task == "lm":  # one document per sequence: nothing masked
+    tokens = rng.integers(0, vocab_size, (B, seq_len + 1)).astype(np.int32)
+    return {
+      "inputs": tokens[:, :-1],
+      "targets": tokens[:, 1:],
+      "segments": np.zeros((B, seq_len), np.int32),
+      "mask": np.ones((B, seq_len), np.float32),
+    }
   return {
     "inputs": rng.integers(0, vocab_size - 1, (B, seq_len)).astype(np.int32),
     "target": rng.integers(0, config.data.num_entities, B).astype(np.int32),
@@ -45,9 +53,15 @@ def model_flops(config, seq_len: int, vocab_size: int) -> float:
   m, B, T = config.model, config.train.batch_size, seq_len
   d = m.d_model
   layers = m.num_layers * m.num_loops + m.num_prelude + m.num_coda
-  per_layer = 2 * (4 + 2 * m.mlp_ratio) * d * d + 2 * 2 * T * d  # weights; QK, AV
+  F = m.mlp_hidden or m.mlp_ratio * d
+  kv = (m.num_kv_heads or m.num_heads) / m.num_heads
+  mlp = (3 if m.mlp_type == "swiglu" else 2) * d * F
+  # Weights (q and out, k and v, MLP), then the QK and AV products: causal
+  # attention computes (and counts) the full T x T, as PaLM's count does.
+  per_layer = 2 * ((2 + 2 * kv) * d * d + mlp) + 2 * 2 * T * d
   adapter = 2 * 2 * d * d * m.num_loops if m.injection == "concat" else 0
-  return 3.0 * (B * T * (layers * per_layer + adapter) + B * 2 * d * vocab_size)
+  readouts = B * T if config.data.task == "lm" else B  # logits per position
+  return 3.0 * (B * T * (layers * per_layer + adapter) + readouts * 2 * d * vocab_size)
 
 
 def matmul_peak(dtype: str = "float32", n: int | None = None, repeats: int = 5) -> dict:

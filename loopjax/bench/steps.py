@@ -13,17 +13,23 @@ SEQ_LEN = 3  # 2-hop composition: [h, r1, r2]
 
 
 def vocab_size(config) -> int:
+  if config.data.task == "lm":
+    return config.data.vocab_size
   return Vocab(config.data.num_entities, config.data.num_relations).vocab_size
+
+
+def seq_len(config) -> int:
+  return config.data.seq_len if config.data.task == "lm" else SEQ_LEN
 
 
 def jax_step(config) -> dict:
   """Compile time, seconds per step, FLOPs (ours and XLA's) and memory of one step."""
-  V = vocab_size(config)
-  model = build_model(config.model, V, SEQ_LEN, config.seed)
+  V, T = vocab_size(config), seq_len(config)
+  model = build_model(config.model, V, T, config.seed)
   tx = make_optimizer(config.train)
   graphdef, state = init_state(model, tx, config.seed)
   step = make_train_step(config, graphdef, tx)
-  batch = jax.device_put(random_batch(config, V, SEQ_LEN))
+  batch = jax.device_put(random_batch(config, V, T))
   t = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t
@@ -44,7 +50,7 @@ def jax_step(config) -> dict:
   return {
     "compile_s": compile_s,
     "step_s": step_s,
-    "flops": model_flops(config, SEQ_LEN, V),
+    "flops": model_flops(config, T, V),
     "xla_flops": float(cost["flops"]),
     "temp_bytes": mem.temp_size_in_bytes,
     "peak_bytes": mem.temp_size_in_bytes
@@ -61,9 +67,9 @@ def torch_step(config) -> dict:
   """Seconds per step of the same model and optimizer in PyTorch eager."""
   from loopjax.bench import torch_ref
 
-  V = vocab_size(config)
-  step = torch_ref.make_train_step(config, V, SEQ_LEN)
-  batch = torch_ref.to_torch(random_batch(config, V, SEQ_LEN))
+  V, T = vocab_size(config), seq_len(config)
+  step = torch_ref.make_train_step(config, V, T)
+  batch = torch_ref.to_torch(random_batch(config, V, T))
   b = config.bench
   return {
     "step_s": timed(

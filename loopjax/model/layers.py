@@ -13,8 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-_NORM_EPS = 1e-5
-
 
 def param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
   """A float32 parameter tagged with logical axis names."""
@@ -30,7 +28,8 @@ def zeros(rngs, shape, axes):
 class Norm(nnx.Module):
   """LayerNorm or RMSNorm, computed in float32 whatever the activation dtype."""
 
-  def __init__(self, d: int, kind: str, *, rngs: nnx.Rngs):
+  def __init__(self, d: int, kind: str, *, rngs: nnx.Rngs, eps: float = 1e-5):
+    self.eps = eps
     self.scale = param(rngs, nnx.initializers.ones, (d,), ("embed",))
     self.bias = zeros(rngs, (d,), ("embed",)) if kind == "layernorm" else None
 
@@ -39,7 +38,7 @@ class Norm(nnx.Module):
     x = x_D.astype(jnp.float32)
     if self.bias is not None:
       x = x - x.mean(-1, keepdims=True)
-    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + _NORM_EPS)
+    y = x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + self.eps)
     lead = (1,) * (x.ndim - 1)
     y = y * self.scale.reshape(*lead, -1)
     if self.bias is not None:
@@ -47,11 +46,13 @@ class Norm(nnx.Module):
     return y.astype(x_D.dtype)
 
 
-def rope(x_BTNH, base: float = 10_000.0, offset=0):
+def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half"):
   """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
   position-dependent angles, so q.k depends on positions only through their
   difference (chains longer than any trained on keep familiar offsets).
-  `offset`: the position of the first token (decoding with a cache; traced)."""
+  `offset`: the position of the first token (decoding with a cache; traced).
+  `pairing`: which dimensions rotate together, (i, i + H/2) ("half": Llama,
+  GPT-NeoX) or (2i, 2i + 1) ("interleaved": the original, Huginn)."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[3]
   freq_F = base ** (-np.arange(0, H, 2) / H)
   if isinstance(offset, int):  # a constant: folded at trace time
@@ -61,46 +62,61 @@ def rope(x_BTNH, base: float = 10_000.0, offset=0):
     angle_TF = (offset + jnp.arange(T))[:, None] * freq_F[None]
     cos, sin = jnp.cos(angle_TF), jnp.sin(angle_TF)
   cos, sin = (f[None, :, None].astype(x_BTNH.dtype) for f in (cos, sin))
+  if pairing == "interleaved":
+    x1, x2 = x_BTNH[..., 0::2], x_BTNH[..., 1::2]
+    return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(
+      x_BTNH.shape
+    )
   x1, x2 = x_BTNH[..., : H // 2], x_BTNH[..., H // 2 :]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
 
 
 class Attention(nnx.Module):
-  """Causal multi-head self-attention, optionally with rotary positions."""
+  """Causal multi-head self-attention, optionally with rotary positions and
+  grouped-query heads (`num_kv_heads` < `num_heads`: each key/value head
+  serves num_heads / num_kv_heads query heads)."""
 
-  def __init__(
-    self,
-    d: int,
-    num_heads: int,
-    init_std: float,
-    *,
-    rngs: nnx.Rngs,
-    rotary=False,
-    out_scale: float = 1.0,
-  ):
-    """`out_scale` scales the output projection's initial weights (LTG's
-    `c_scale`; 0: each block starts as the identity on the residual stream)."""
-    self.rotary = rotary
-    hd = d // num_heads
-    normal = nnx.initializers.normal(init_std)
-    self.wqkv = param(
-      rngs, normal, (d, 3, num_heads, hd), ("embed", None, "heads", "kv")
-    )
-    self.bqkv = zeros(rngs, (3, num_heads, hd), (None, "heads", "kv"))
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    """`cfg.out_init_scale` scales the output projection's initial weights
+    (LTG's `c_scale`; 0: each block starts as the identity on the residual)."""
+    d, N = cfg.d_model, cfg.num_heads
+    K, hd = cfg.num_kv_heads or N, d // N
+    self.rotary = cfg.pos_encoding == "rope"
+    self.rope = dict(base=cfg.rope_theta, pairing=cfg.rope_pairing)
+    normal = nnx.initializers.normal(cfg.init_std)
+    if K == N:  # one fused projection
+      self.wqkv = param(rngs, normal, (d, 3, N, hd), ("embed", None, "heads", "kv"))
+      self.bqkv = zeros(rngs, (3, N, hd), (None, "heads", "kv"))
+    else:
+      self.wq = param(rngs, normal, (d, N, hd), ("embed", "heads", "kv"))
+      self.wkv = param(rngs, normal, (d, 2, K, hd), ("embed", None, "heads", "kv"))
     self.wo = param(
-      rngs, _scaled(normal, out_scale), (num_heads, hd, d), ("heads", "kv", "embed")
+      rngs,
+      _scaled(normal, cfg.out_init_scale),
+      (N, hd, d),
+      ("heads", "kv", "embed"),
     )
     self.bo = zeros(rngs, (d,), ("embed",))
 
   def _qkv(self, x_BTD, offset=0):
+    """q (B, T, N, H) and k, v (B, T, K, H), rotated where rotary."""
     B, T, D = x_BTD.shape
-    _, _, N, H = self.wqkv.shape
-    qkv_MK = x_BTD.reshape(B * T, D) @ self.wqkv.reshape(D, 3 * N * H)
-    qkv_BT3NH = qkv_MK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
-    q_BTNH, k_BSNH, v_BSNH = (qkv_BT3NH[:, :, i] for i in range(3))
+    x_MD = x_BTD.reshape(B * T, D)
+    if hasattr(self, "wqkv"):
+      _, _, N, H = self.wqkv.shape
+      qkv_MK = x_MD @ self.wqkv.reshape(D, 3 * N * H)
+      qkv_BT3NH = qkv_MK.reshape(B, T, 3, N, H) + self.bqkv[None, None]
+      q_BTNH, k_BTKH, v_BTKH = (qkv_BT3NH[:, :, i] for i in range(3))
+    else:
+      _, N, H = self.wq.shape
+      K = self.wkv.shape[2]
+      q_BTNH = (x_MD @ self.wq.reshape(D, N * H)).reshape(B, T, N, H)
+      kv_BT2KH = (x_MD @ self.wkv.reshape(D, 2 * K * H)).reshape(B, T, 2, K, H)
+      k_BTKH, v_BTKH = kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
     if self.rotary:
-      q_BTNH, k_BSNH = rope(q_BTNH, offset=offset), rope(k_BSNH, offset=offset)
-    return q_BTNH, k_BSNH, v_BSNH
+      q_BTNH = rope(q_BTNH, offset=offset, **self.rope)
+      k_BTKH = rope(k_BTKH, offset=offset, **self.rope)
+    return q_BTNH, k_BTKH, v_BTKH
 
   def _out(self, out_BTNH):
     B, T, N, H = out_BTNH.shape
@@ -109,7 +125,7 @@ class Attention(nnx.Module):
 
   def cached(self, x_BTD, kv, offset):
     """Attention of tokens at positions offset.. over a cache of earlier keys
-    and values (B, S, N, H) each, which it returns with theirs written in."""
+    and values (B, S, K, H) each, which it returns with theirs written in."""
     q_BTNH, k_BTNH, v_BTNH = self._qkv(x_BTD, offset)
     k_BSNH, v_BSNH = (
       jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), offset, 1)
@@ -130,21 +146,23 @@ class Attention(nnx.Module):
     `segments_BT`: a query attends only to keys of its own segment (packed
     documents); None: to every earlier position."""
     T = x_BTD.shape[1]
-    q_BTNH, k_BSNH, v_BSNH = self._qkv(x_BTD)
+    q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD)
     elementwise = T <= ELEMENTWISE_MAX_LEN
     same_BTS = (
       None if segments_BT is None else segments_BT[:, :, None] == segments_BT[:, None]
     )
     if elementwise or with_probs:
+      groups = q_BTNH.shape[2] // k_BSKH.shape[2]
+      k_BSNH, v_BSNH = (jnp.repeat(a, groups, axis=2) for a in (k_BSKH, v_BSKH))
       probs_BTSN = attention_probs(
         q_BTNH, k_BSNH, elementwise=elementwise, same_BTS=same_BTS
       )
       out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
     else:  # a fused kernel where the backend has one; never the (T, S) weights
-      out_BTNH = jax.nn.dot_product_attention(
+      out_BTNH = jax.nn.dot_product_attention(  # grouped heads as they are
         q_BTNH,
-        k_BSNH,
-        v_BSNH,
+        k_BSKH,
+        v_BSKH,
         mask=None if same_BTS is None else same_BTS[:, None],
         is_causal=True,
       )
@@ -186,43 +204,51 @@ def _scaled(init, scale: float):
 
 
 class Mlp(nnx.Module):
-  def __init__(
-    self, d: int, hidden: int, init_std: float, *, rngs: nnx.Rngs, out_scale=1.0
-  ):
-    normal = nnx.initializers.normal(init_std)
+  """GELU with biases (GPT-2, LTG), or SwiGLU without (Llama, Huginn, Ouro):
+  silu(x W_gate) * (x W_up), then W_down; gate and up are one matmul."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    d = cfg.d_model
+    hidden = cfg.mlp_hidden or cfg.mlp_ratio * d
+    normal = nnx.initializers.normal(cfg.init_std)
+    out = _scaled(normal, cfg.out_init_scale)
+    self.swiglu = cfg.mlp_type == "swiglu"
+    if self.swiglu:
+      self.w_in = param(rngs, normal, (d, 2, hidden), ("embed", None, "mlp"))
+      self.w_out = param(rngs, out, (hidden, d), ("mlp", "embed"))
+      return
     self.w1 = param(rngs, normal, (d, hidden), ("embed", "mlp"))
     self.b1 = zeros(rngs, (hidden,), ("mlp",))
-    self.w2 = param(rngs, _scaled(normal, out_scale), (hidden, d), ("mlp", "embed"))
+    self.w2 = param(rngs, out, (hidden, d), ("mlp", "embed"))
     self.b2 = zeros(rngs, (d,), ("embed",))
 
   def __call__(self, x_BTD):
     B, T, D = x_BTD.shape
-    h_MF = jax.nn.gelu(x_BTD.reshape(B * T, D) @ self.w1 + self.b1[None])
+    x_MD = x_BTD.reshape(B * T, D)
+    if self.swiglu:
+      F = self.w_out.shape[0]
+      gate_M2F = (x_MD @ self.w_in.reshape(D, 2 * F)).reshape(-1, 2, F)
+      h_MF = jax.nn.silu(gate_M2F[:, 0]) * gate_M2F[:, 1]
+      return (h_MF @ self.w_out).reshape(B, T, D)
+    h_MF = jax.nn.gelu(x_MD @ self.w1 + self.b1[None])
     return (h_MF @ self.w2 + self.b2[None]).reshape(B, T, D)
 
 
 class Block(nnx.Module):
-  """One transformer layer; `position` places the norms (pre / sandwich / post)."""
+  """One transformer layer; `position` places the norms: "pre" (GPT-2,
+  Llama), "sandwich" (each sublayer's output normalized too: Gemma-2, Ouro),
+  "residual" (pre-norm, and the residual stream normalized after each add:
+  Huginn), "post" (the original Transformer)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, kind = cfg.d_model, cfg.norm_type
     self.position = cfg.norm_position
-    self.attn = Attention(
-      d,
-      cfg.num_heads,
-      cfg.init_std,
-      rngs=rngs,
-      rotary=cfg.pos_encoding == "rope",
-      out_scale=cfg.out_init_scale,
-    )
-    self.mlp = Mlp(
-      d, cfg.mlp_ratio * d, cfg.init_std, rngs=rngs, out_scale=cfg.out_init_scale
-    )
-    self.norm1 = Norm(d, kind, rngs=rngs)
-    self.norm2 = Norm(d, kind, rngs=rngs)
-    if self.position == "sandwich":
-      self.norm1_out = Norm(d, kind, rngs=rngs)
-      self.norm2_out = Norm(d, kind, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.mlp = Mlp(cfg, rngs=rngs)
+    norm = lambda: Norm(d, kind, rngs=rngs, eps=cfg.norm_eps)  # noqa: E731
+    self.norm1, self.norm2 = norm(), norm()
+    if self.position in ("sandwich", "residual"):
+      self.norm1_out, self.norm2_out = norm(), norm()
 
   def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the attention weights."""
@@ -246,10 +272,15 @@ class Block(nnx.Module):
     if self.position == "sandwich":
       a_BTD = self.norm1_out(a_BTD)
     x_BTD = x_BTD + a_BTD
+    if self.position == "residual":
+      x_BTD = self.norm1_out(x_BTD)
     m_BTD = self.mlp(self.norm2(x_BTD))
     if self.position == "sandwich":
       m_BTD = self.norm2_out(m_BTD)
-    return x_BTD + m_BTD, extra
+    x_BTD = x_BTD + m_BTD
+    if self.position == "residual":
+      x_BTD = self.norm2_out(x_BTD)
+    return x_BTD, extra
 
 
 def _split(out, with_probs: bool):

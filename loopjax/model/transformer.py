@@ -45,7 +45,11 @@ class LoopedTransformer(nnx.Module):
     if cfg.injection == "concat":
       self.adapter = param(rngs, normal, (2 * d, d), (None, "embed"))
       self.adapter_b = zeros(rngs, (d,), ("embed",))
-    self.norm = Norm(d, cfg.norm_type, rngs=rngs)
+    self.norm = Norm(d, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps)
+    # Ouro: the carried state normalized after every iteration.
+    self.state_norm = (
+      Norm(d, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps) if cfg.state_norm else None
+    )
     self.unembed = (
       None
       if cfg.tie_embeddings
@@ -56,6 +60,8 @@ class LoopedTransformer(nnx.Module):
     """Token (and absolute position) embeddings; `offset`: the first token's
     position (decoding with a cache; may be traced)."""
     x_BTD = self.embed[tokens_BT]
+    if self.cfg.embed_scale != 1.0:  # Huginn, Gemma: sqrt(d_model)
+      x_BTD = x_BTD * jnp.asarray(self.cfg.embed_scale, x_BTD.dtype)
     T, D = x_BTD.shape[1:]
     kind = self.cfg.pos_encoding
     if kind in ("learned", "sinusoidal"):
@@ -94,10 +100,15 @@ class LoopedTransformer(nnx.Module):
     with_probs: also each layer's output and attention weights (`trace`)."""
     h_BTD = sharding.constrain(self.inject(h_BTD, x_BTD), ("batch", None, None))
     if with_probs:
-      return _traced(self.core, h_BTD, segments_BT)
+      h_BTD, layers = _traced(self.core, h_BTD, segments_BT)
+      return self.end_iteration(h_BTD), layers
     for block in self.core:
       h_BTD = block(h_BTD, segments_BT=segments_BT)
-    return h_BTD
+    return self.end_iteration(h_BTD)
+
+  def end_iteration(self, h_BTD):
+    """The state an iteration hands on (normalized where `state_norm`)."""
+    return h_BTD if self.state_norm is None else self.state_norm(h_BTD)
 
   def logits(self, h_D):
     """Final norm and unembedding of states with any leading axes: (..., V).
@@ -119,7 +130,7 @@ class LoopedTransformer(nnx.Module):
     """Empty key/value caches for `decode`: per prelude and coda layer (B, S, N,
     H) each, per core layer (R, B, S, N, H) each (every iteration its own)."""
     N = self.cfg.num_heads
-    shape = (batch, length, N, self.cfg.d_model // N)
+    shape = (batch, length, self.cfg.num_kv_heads or N, self.cfg.d_model // N)
 
     def kv(*lead):
       return tuple(jnp.zeros((*lead, *shape), dtype) for _ in range(2))
@@ -150,7 +161,7 @@ class LoopedTransformer(nnx.Module):
       for block, kv in zip(self.core, kv_per_layer, strict=True):
         h_BTD, kv = block.cached(h_BTD, kv, offset)
         out.append(kv)
-      return h_BTD, out
+      return self.end_iteration(h_BTD), out
 
     h_BTD, new["core"] = jax.lax.scan(iteration, h_BTD, cache["core"])
     for block, kv in zip(self.coda, cache["coda"], strict=True):
