@@ -144,6 +144,10 @@ def test_a_tokenizer_of_another_size_is_refused(lm_config, tmp_path):
     ("data.valid_fraction", 1.0, "must be in \\(0, 1\\)"),
     ("train.supervise", "from_hops", "must be 'last'"),
     ("train.z_loss", -1.0, "must be in \\[0, 1\\)"),
+    ("model.num_kv_heads", 3, "must divide model.num_heads \\(2\\)"),
+    ("model.mlp_type", "relu", "must be one of gelu, swiglu"),
+    ("model.rope_pairing", "odd", "must be one of half, interleaved"),
+    ("model.norm_eps", 0.0, "must be in \\(0, 1\\)"),
   ],
 )
 def test_lm_config_errors(lm_config, field, value, message):

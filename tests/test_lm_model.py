@@ -46,10 +46,11 @@ def test_a_packed_document_is_computed_as_if_alone():
   assert not np.allclose(mixed[:, 15:], alone, atol=1e-3)
 
 
-def test_fused_attention_equals_the_explicit_weights():
+@pytest.mark.parametrize("length", [T, 150])  # 150: CPU query blocks, one partial
+def test_fused_attention_equals_the_explicit_weights(length):
   attn = model().core[0].attn
-  x = jax.random.normal(jax.random.key(1), (2, T, 32))
-  seg = jnp.asarray(np.repeat([[0] * 10 + [1] * 30], 2, 0), jnp.int32)
+  x = jax.random.normal(jax.random.key(1), (2, length, 32))
+  seg = jnp.asarray(np.repeat([[0] * 10 + [1] * (length - 10)], 2, 0), jnp.int32)
   fused = attn(x, segments_BT=seg)
   explicit, probs = attn(x, with_probs=True, segments_BT=seg)
   np.testing.assert_allclose(fused, explicit, atol=1e-5)
@@ -103,3 +104,17 @@ def test_more_recurrences_at_sampling_are_more_iterations():
     at6[:, 0], m(jnp.asarray(prompt), None, num_loops=6)[:, -1], atol=2e-4
   )
   assert not np.allclose(at3, at6, atol=1e-3)
+
+
+def test_the_chunked_loss_equals_the_loss_of_the_whole_logits():
+  import ml_collections
+
+  m, x = model(num_coda=1), tokens(5, (2, 128))  # 128 = 2 chunks of LM_LOSS_CHUNK
+  assert 128 // loss.LM_LOSS_CHUNK == 2
+  t = tokens(6, (2, 128))
+  mask = jnp.asarray(np.random.default_rng(7).random((2, 128)) < 0.8, jnp.float32)
+  batch = dict(inputs=x, targets=t, mask=mask, segments=jnp.zeros((2, 128), jnp.int32))
+  cfg = ml_collections.ConfigDict(dict(backprop_depth=0, z_loss=1e-3))
+  got = loss.lm_loss_fn(m, batch, cfg, key=None, num_loops=3)
+  total, correct, n = loss.lm_xent(m(x, None), t, mask, 1e-3)
+  np.testing.assert_allclose(got, (total / n, correct / n), rtol=1e-5)

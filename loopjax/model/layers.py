@@ -158,14 +158,8 @@ class Attention(nnx.Module):
         q_BTNH, k_BSNH, elementwise=elementwise, same_BTS=same_BTS
       )
       out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
-    else:  # a fused kernel where the backend has one; never the (T, S) weights
-      out_BTNH = jax.nn.dot_product_attention(  # grouped heads as they are
-        q_BTNH,
-        k_BSKH,
-        v_BSKH,
-        mask=None if same_BTS is None else same_BTS[:, None],
-        is_causal=True,
-      )
+    else:
+      out_BTNH = causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS)
     out_BTD = self._out(out_BTNH)
     return (out_BTD, probs_BTSN.transpose(0, 3, 1, 2)) if with_probs else out_BTD
 
@@ -175,6 +169,39 @@ class Attention(nnx.Module):
 # T x T matmul tiles (docs/performance.md); longer sequences use
 # jax.nn.dot_product_attention (einsums where the weights are wanted).
 ELEMENTWISE_MAX_LEN = 8
+
+
+# Queries per block of the CPU's causal attention (`causal_attention`).
+CAUSAL_BLOCK = 64
+
+
+def causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS=None):
+  """Causal attention without the weights, grouped heads as they are.
+
+  Accelerators: jax.nn.dot_product_attention (a fused kernel where the backend
+  has one). CPU: query blocks of CAUSAL_BLOCK, each against the keys up to its
+  end, so the masked upper triangle is mostly never computed: at T = 256 the
+  forward and backward run 1.7x faster than one masked T x T product
+  (docs/performance.md)."""
+  T = q_BTNH.shape[1]
+  if jax.default_backend() != "cpu" or T <= CAUSAL_BLOCK:
+    mask = None if same_BTS is None else same_BTS[:, None]
+    return jax.nn.dot_product_attention(
+      q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True
+    )
+  outs = []
+  for s in range(0, T, CAUSAL_BLOCK):
+    e = min(s + CAUSAL_BLOCK, T)
+    seen_TS = jnp.arange(e)[None] <= (s + jnp.arange(e - s))[:, None]
+    mask_BTS = (
+      seen_TS[None] if same_BTS is None else seen_TS[None] & same_BTS[:, s:e, :e]
+    )
+    outs.append(
+      jax.nn.dot_product_attention(
+        q_BTNH[:, s:e], k_BSKH[:, :e], v_BSKH[:, :e], mask=mask_BTS[:, None]
+      )
+    )
+  return jnp.concatenate(outs, 1)
 
 
 def attention_probs(q_BTNH, k_BSNH, *, elementwise: bool, same_BTS=None):

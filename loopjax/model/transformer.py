@@ -209,9 +209,12 @@ class LoopedTransformer(nnx.Module):
     depth=None,
     grad_depth: int = 0,
     segments_BT=None,
+    hidden: bool = False,
   ):
     """Logits (B, V) at the answer, or (B, T, V) for a language model; see
-    `recurrence.unroll` for depth and grad_depth."""
+    `recurrence.unroll` for depth and grad_depth. `hidden` (a language model):
+    the states after the coda instead (B, T, D), for a loss that applies
+    `logits` a chunk at a time."""
     x_BTD, h_BTD = self.encode(tokens_BT, key, segments_BT)
     h_BTD, logits_RBV = recurrence.unroll(
       lambda h: self.core_step(h, x_BTD, segments_BT=segments_BT),
@@ -225,6 +228,10 @@ class LoopedTransformer(nnx.Module):
       depth=depth,
       grad_depth=grad_depth,
     )
+    if hidden:
+      for block in self.coda:
+        h_BTD = block(h_BTD, segments_BT=segments_BT)
+      return h_BTD
     logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
 
