@@ -28,7 +28,7 @@ from loopjax.analysis import (
   overthinking,
 )
 from loopjax.data import kg, pipeline
-from loopjax.errors import first_line
+from loopjax.errors import ConfigError, first_line
 from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 
@@ -52,9 +52,20 @@ def main_split(config) -> str:
 def analyze(config, workdir, step: int | None = None) -> list[Path]:
   """`--mode=analyze`: `analyze.names` on a checkpoint (default: the newest),
   written under `workdir/analysis`."""
+  check_task(config)
   workdir = Path(workdir)
   task, model, step = evaluate.restore_model(config, workdir, step)
   return run(config, workdir, task, model, step, workdir / "analysis")
+
+
+def check_task(config) -> None:
+  """The analyses read answer positions of the knowledge-graph tasks."""
+  if config.data.task == "lm":
+    raise ConfigError(
+      "--mode=analyze: the analyses are for the knowledge-graph tasks; "
+      "language-model runs have --mode=eval (loss by iteration count) and "
+      "--mode=sample"
+    )
 
 
 def run(config, workdir, task, model: Model, step: int, out_dir, phases=True):

@@ -12,9 +12,8 @@ import math
 
 import ml_collections
 
-from loopjax import halting
+from loopjax import halting, task_checks
 from loopjax.analysis import ANALYSES, MECHANISTIC
-from loopjax.data.lm import MIN_VOCAB
 from loopjax.errors import ConfigError
 
 ENUMS = {
@@ -256,8 +255,8 @@ _BOUNDS = {
   "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
   "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
 }
-# Checked only where the field is used: chains runs, sampled depth.
-_CHAINS_BOUNDS = {"data.train_per_hop": _AT_LEAST_1, "data.test_per_hop": _AT_LEAST_0}
+# Checked only where the field is used: sampled depth (and, in their modules,
+# chains runs and language models).
 _DEPTH_BOUNDS = {
   "train.depth.mean": (lambda v: math.isfinite(v) and v > 0, "must be > 0"),
   "train.depth.sigma": (lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),
@@ -270,7 +269,8 @@ def _get(c, path):
   return c
 
 
-def _check(c, table: dict) -> None:
+def check(c, table: dict) -> None:
+  """Raises ConfigError for the first field of `table` whose value fails."""
   for field, (ok, allowed) in table.items():
     if not ok(_get(c, field)):
       raise ConfigError(f"{field}: {allowed}; got {_get(c, field)!r}")
@@ -290,15 +290,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
           f"{field}: each must be one of {', '.join(allowed)}; got {name!r}"
         )
   d, m, t, a = c.data, c.model, c.train, c.analyze
-  _check(c, _BOUNDS)
+  check(c, _BOUNDS)
   if d.task == "lm":
-    _validate_lm(c)
+    task_checks.lm(c)
   elif not (d.source == "generate" or d.source.startswith("grokked_json:")):
     raise ConfigError(
       f"data.source: must be 'generate' or 'grokked_json:DIR'; got {d.source!r}"
     )
   if d.task == "chains":
-    _validate_chains(c)
+    task_checks.chains(c)
   elif t.curriculum.enabled:
     raise ConfigError(
       "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
@@ -316,7 +316,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"train.depth.min: must be >= 1 and <= train.depth.max ({t.depth.max}); "
         f"got {t.depth.min}"
       )
-    _check(c, _DEPTH_BOUNDS)
+    check(c, _DEPTH_BOUNDS)
   if t.backprop_depth > 0 and m.injection == "none":
     raise ConfigError(
       "train.backprop_depth: needs model.injection add or concat (else the "
@@ -384,74 +384,6 @@ def _validate_mesh(c) -> None:
         "sharding.rules: each must be (logical name, mesh axis or axes or None) "
         f"with mesh axes data, fsdp, tensor; got {rule!r}"
       )
-
-
-def _validate_lm(c) -> None:
-  d = c.data
-  if not (d.source == "stdlib" or d.source.startswith(("text:", "tfds:"))):
-    raise ConfigError(
-      "data.source: must be 'stdlib', 'text:GLOB' or 'tfds:NAME[:CONFIG]' for "
-      f"data.task 'lm'; got {d.source!r}"
-    )
-  if d.vocab_size < MIN_VOCAB:
-    raise ConfigError(
-      f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "
-      f"got {d.vocab_size}"
-    )
-  if d.seq_len < 2:
-    raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")
-  if not 0 < d.valid_fraction < 1 or d.valid_sequences < 0:
-    raise ConfigError(
-      "data.valid_fraction: must be in (0, 1) and data.valid_sequences >= 0; got "
-      f"{d.valid_fraction!r}, {d.valid_sequences!r}"
-    )
-  if c.train.supervise != "last" or c.train.label_smoothing:
-    raise ConfigError(
-      "train.supervise: must be 'last' with no train.label_smoothing for "
-      f"data.task 'lm'; got {c.train.supervise!r}, {c.train.label_smoothing!r}"
-    )
-  if not (0 <= c.train.z_loss < 1):
-    raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
-
-
-def _validate_chains(c) -> None:
-  d, cur = c.data, c.train.curriculum
-  if d.max_hops < 2:
-    raise ConfigError(f"data.max_hops: must be >= 2; got {d.max_hops}")
-  if not 2 <= d.train_hops <= d.max_hops:
-    raise ConfigError(
-      f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
-    )
-  _check(c, _CHAINS_BOUNDS)
-  if not cur.enabled:
-    return
-  if not 2 <= cur.start <= d.train_hops:
-    raise ConfigError(
-      f"train.curriculum.start: must be in [2, data.train_hops={d.train_hops}]; "
-      f"got {cur.start}"
-    )
-  if not 0 <= cur.threshold <= 1:
-    raise ConfigError(
-      f"train.curriculum.threshold: must be in [0, 1]; got {cur.threshold!r}"
-    )
-  if not 0 < cur.lr_decay <= 1:
-    raise ConfigError(
-      f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
-    )
-  if not 0 <= cur.lr_min <= c.train.lr:
-    raise ConfigError(
-      f"train.curriculum.lr_min: must be in [0, train.lr={c.train.lr}]; got "
-      f"{cur.lr_min!r}"
-    )
-  if d.test_per_hop < 1:
-    raise ConfigError(
-      "data.test_per_hop: must be >= 1 with a curriculum (it advances on "
-      "held-out accuracy); got 0"
-    )
-  if c.eval_every < 1:
-    raise ConfigError(
-      "eval_every: must be >= 1 with a curriculum (it advances at evaluations); got 0"
-    )
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

@@ -30,9 +30,9 @@ def per_iteration_sums(model: Model, batch, num_loops: int, key):
   x_BTD, h_BTD = m.encode(batch["inputs"], key, seg)
 
   def readout(h_BTD):
-    logits_BTV = m.readout(h_BTD, None, seg)
-    per_row = jax.vmap(lambda lg, t, k: loss.lm_xent(lg[None], t[None], k[None])[:2])
-    return per_row(logits_BTV, batch["targets"], batch["mask"])
+    for block in m.coda:
+      h_BTD = block(h_BTD, segments_BT=seg)
+    return loss.lm_row_sums(m.logits, h_BTD, batch["targets"], batch["mask"])[:2]
 
   _, (loss_RB, correct_RB) = recurrence.unroll(
     lambda h: m.core_step(h, x_BTD, segments_BT=seg),
@@ -109,7 +109,9 @@ class LmEvaluator:
       "acc": {d: float(acc_R[d - 1]) for d in self.depths},
       "tokens": tokens,
       "unigram_loss": self.unigram_loss,
-      "tokens_per_s": tokens / seconds,  # at R_eval iterations, forward only
+      # At R_eval iterations, forward only; the first evaluation includes
+      # compiling its program.
+      "tokens_per_s": tokens / seconds,
     }
     return {"validation": res}, {}
 

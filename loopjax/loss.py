@@ -87,6 +87,32 @@ def lm_xent(logits_BTV, targets_BT, mask_BT, z_loss: float = 0.0):
 LM_LOSS_CHUNK = 64
 
 
+def chunk_size(T: int) -> int:
+  """The largest divisor of T up to LM_LOSS_CHUNK."""
+  return max(c for c in range(1, min(T, LM_LOSS_CHUNK) + 1) if T % c == 0)
+
+
+def lm_row_sums(logits_fn, h_BTD, targets_BT, mask_BT, z_loss: float = 0.0):
+  """Per sequence (B,): summed loss, correct and target counts, the logits
+  `logits_fn(h)` made a chunk of positions at a time (recomputed in the
+  backward pass), so no (B, T, V) array ever exists."""
+  B, T, _ = h_BTD.shape
+  C = T // chunk_size(T)
+
+  def chunks(a):
+    return jnp.swapaxes(a.reshape(B, C, T // C, *a.shape[2:]), 0, 1)
+
+  @jax.checkpoint
+  def chunk(h_BtD, t_Bt, m_Bt):
+    per_row = jax.vmap(lambda lg, t, m: lm_xent(lg[None], t[None], m[None], z_loss))
+    return per_row(logits_fn(h_BtD), t_Bt, m_Bt)
+
+  sums_C3B = jax.lax.map(
+    lambda a: chunk(*a), (chunks(h_BTD), chunks(targets_BT), chunks(mask_BT))
+  )
+  return jax.tree.map(lambda a: a.sum(0), sums_C3B)
+
+
 def lm_loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
   """(mean next-token loss, next-token accuracy) over the batch's real targets."""
   h_BTD = model(
@@ -99,20 +125,11 @@ def lm_loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
     segments_BT=batch["segments"],
     hidden=True,
   )
-  B, T, D = h_BTD.shape
-  C = T // LM_LOSS_CHUNK if T % LM_LOSS_CHUNK == 0 else 1
-  chunks = lambda a: jnp.swapaxes(a.reshape(B, C, T // C, *a.shape[2:]), 0, 1)  # noqa: E731
-
-  @jax.checkpoint
-  def chunk(h_BtD, t_Bt, m_Bt):
-    return lm_xent(model.logits(h_BtD), t_Bt, m_Bt, train_cfg.z_loss)
-
-  total, correct, n = jax.tree.map(
-    jnp.sum,
-    jax.lax.map(
-      lambda a: chunk(*a),
-      (chunks(h_BTD), chunks(batch["targets"]), chunks(batch["mask"])),
-    ),
+  total, correct, n = (
+    a.sum()
+    for a in lm_row_sums(
+      model.logits, h_BTD, batch["targets"], batch["mask"], train_cfg.z_loss
+    )
   )
   n = jnp.maximum(n, 1.0)
   return total / n, correct / n

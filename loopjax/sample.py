@@ -38,13 +38,13 @@ def generate(
   cache = module.init_cache(B, length, num_loops, model.dtype)
 
   @jax.jit
-  def prefill(model, tokens_BT, cache):
-    logits_BTV, cache = model.module().decode(tokens_BT, cache, 0)
+  def prefill(model, tokens_BT, cache, key):
+    logits_BTV, cache = model.module().decode(tokens_BT, cache, 0, key)
     return logits_BTV[:, -1], cache
 
   @jax.jit
-  def step(model, token_B, cache, offset, key):
-    logits_BTV, cache = model.module().decode(token_B[:, None], cache, offset)
+  def step(model, token_B, cache, offset, key):  # key: a random initial state
+    logits_BTV, cache = model.module().decode(token_B[:, None], cache, offset, key)
     return logits_BTV[:, 0], cache
 
   def choose(logits_BV, key):
@@ -56,22 +56,25 @@ def generate(
       logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
     return jax.random.categorical(key, logits_BV)
 
-  logits_BV, cache = prefill(model, jnp.asarray(prompt_BT), cache)
-  keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+  prefill_key, key = jax.random.split(jax.random.key(seed))
+  logits_BV, cache = prefill(model, jnp.asarray(prompt_BT), cache, prefill_key)
+  keys = jax.random.split(key, 2 * max_new_tokens).reshape(max_new_tokens, 2)
   out, seen = [], []
   for i in range(max_new_tokens):
-    token_B = choose(logits_BV, keys[i]).astype(jnp.int32)
+    token_B = choose(logits_BV, keys[i, 0]).astype(jnp.int32)
     out.append(token_B)
     seen.append(logits_BV)
     if eos_id is not None and bool((token_B == eos_id).all()):
       break
     if i + 1 < max_new_tokens:
-      logits_BV, cache = step(model, token_B, cache, jnp.int32(T + i), keys[i])
+      logits_BV, cache = step(model, token_B, cache, jnp.int32(T + i), keys[i, 1])
   tokens = np.concatenate([np.asarray(prompt_BT), np.stack(out, 1)], 1)
   return tokens, np.stack(seen, 1)
 
 
-def sample(config, workdir, prompt: str, *, step=None, num_loops=None, **kw) -> str:
+def sample(
+  config, workdir, prompt: str, *, max_new_tokens: int, step=None, num_loops=None, **kw
+) -> str:
   """Restores the run's checkpoint (default: the newest) and continues
   `prompt` at `num_loops` recurrences (default: the trained R)."""
   if config.data.task != "lm":
@@ -86,10 +89,12 @@ def sample(config, workdir, prompt: str, *, step=None, num_loops=None, **kw) -> 
   ids = ([task.bos_id] if config.data.bos else []) + lm.encode(
     task.tokenizer_json, prompt
   )
-  new = kw.pop("max_new_tokens")
+  new = max_new_tokens
+  if not ids:
+    raise ConfigError("--prompt: empty, and data.bos is off: nothing to continue")
   if (
     config.model.pos_encoding in ("learned", "sinusoidal")
-    and len(ids) + new > task.seq_len
+    and len(ids) + new - 1 > task.seq_len  # the last token is never fed back
   ):
     raise ConfigError(
       f"--max_new_tokens: the prompt ({len(ids)} tokens) and {new} new tokens exceed "

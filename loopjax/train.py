@@ -141,11 +141,12 @@ def train_and_evaluate(config, workdir) -> dict:
   wd.check(config)
   task = data_lib.load(config.data)  # bad data settings fail before the workdir exists
   curriculum.check_task(config, task)
-  wd.check_data(task)
+  dataset = data_lib.summary(task)  # fingerprints every array: once
+  wd.check_data(dataset)
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
   wd.check_writable()
   with wd.exclusive("train"):
-    wd.record(config, task, phase_names(config))
+    wd.record(config, task, phase_names(config), dataset)
     return _train(config, wd, task, placement)
 
 

@@ -132,25 +132,26 @@ class Workdir:
       path.parent.mkdir(exist_ok=True)
     return _locked(path, f"--workdir={self.path}: another process", doing)
 
-  def check_data(self, task) -> None:
+  def check_data(self, dataset: dict) -> None:
     """Raises ConfigError if the workdir's run was trained on other data (a
-    changed corpus, tokenizer or generator); touches nothing."""
+    changed corpus, tokenizer or generator) than `dataset` (data.summary);
+    touches nothing."""
     saved = self.path / "dataset.json"
     if (
       saved.exists()
-      and json.loads(saved.read_text())["fingerprint"]
-      != data_lib.summary(task)["fingerprint"]
+      and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
     ):
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
         f"in {saved} differs); use a new --workdir"
       )
 
-  def record(self, config, task, phases=()) -> None:
+  def record(self, config, task, phases=(), dataset=None) -> None:
     """Writes config.json, dataset.json and phases.json (each of `phases` null
-    until reached), after `check_data`."""
-    self.check_data(task)
-    dataset = data_lib.summary(task)
+    until reached), after `check_data`; `dataset`: data.summary(task), if
+    already computed."""
+    dataset = dataset or data_lib.summary(task)
+    self.check_data(dataset)
     sizes, saved = dataset["sizes"], self.path / "dataset.json"
     print(
       f"data: fingerprint {dataset['fingerprint'][:16]}, "

@@ -59,7 +59,7 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     "step_paper": "ok",
     "step_paper_large_batch": "ok",
     "train_sysgen_paper": "ok",
-    "lm_step": "skipped",
+    "lm_step": "ok",
     "huginn_forward": "skipped",
   }
   small, large = (parts[k]["result"] for k in ("step_paper", "step_paper_large_batch"))
@@ -71,6 +71,7 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     large["jax"]["tokens_per_s"] > 0
     and large["jax"]["flops"] == 4 * small["jax"]["flops"]
   )
+  assert parts["lm_step"]["result"]["jax"]["tokens_per_s"] > 0  # experiments/lm.py
   train = parts["train_sysgen_paper"]["result"]
   # Stopped by its time limit as a preemption would be: a checkpoint at the step.
   assert train["end"] == "preempted" and train["steps"] > 0

@@ -191,3 +191,18 @@ def test_a_tfds_text_dataset_reads_from_its_directory(lm_config, tmp_path):
     ConfigError, match="data.text_field: tfds:tiny_text has no feature"
   ):
     corpus.load(lm_config.data)
+
+
+def test_a_tfds_dataset_with_configs_asks_for_one(lm_config, tmp_path):
+  for cfg in ("a", "b"):
+    d = tmp_path / "data" / "wiki" / cfg / "1.0.0"
+    d.mkdir(parents=True)
+    (d / "dataset_info.json").write_text("{}")
+  lm_config.data.source = "tfds:wiki"
+  with pytest.raises(
+    ConfigError, match="has configs; name one: tfds:wiki:a, tfds:wiki:b"
+  ):
+    corpus.load(lm_config.data)
+  lm_config.data.source = "tfds:wiki:a"
+  with pytest.raises(ConfigError, match="does not read as a TFDS dataset"):
+    corpus.load(lm_config.data)

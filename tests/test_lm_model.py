@@ -118,3 +118,12 @@ def test_the_chunked_loss_equals_the_loss_of_the_whole_logits():
   got = loss.lm_loss_fn(m, batch, cfg, key=None, num_loops=3)
   total, correct, n = loss.lm_xent(m(x, None), t, mask, 1e-3)
   np.testing.assert_allclose(got, (total / n, correct / n), rtol=1e-5)
+
+
+def test_sampling_from_a_random_initial_state_draws_one_per_call():
+  m = model(init_state="random", injection="add")
+  params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
+  out, logits = generate(
+    Model(nnx.graphdef(m), params), np.asarray(tokens(8, (1, 4))), 3, num_loops=2
+  )
+  assert out.shape == (1, 7) and np.isfinite(logits).all()

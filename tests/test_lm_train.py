@@ -69,6 +69,11 @@ def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   )
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("def ") and len(out.stdout) > 8
+  analyze = run(base[:3] + [f"--workdir={wd}", "--mode=analyze"])
+  assert analyze.returncode == 2
+  assert (
+    "--mode=analyze: the analyses are for the knowledge-graph tasks" in analyze.stderr
+  )
   bad = run(
     [
       *base[:4],

@@ -70,7 +70,12 @@ def _text(pattern: str, data_cfg) -> Iterator[tuple[str, str]]:
     raise ConfigError(f"data.source: text:{pattern} matches no file")
   found = 0
   for path in files:
-    raw = path.read_bytes()
+    try:
+      raw = path.read_bytes()
+    except OSError as e:
+      raise ConfigError(
+        f"data.source: cannot read {path} ({e.strerror or e})"
+      ) from None
     if b"\0" in raw[:8192]:
       raise ConfigError(f"data.source: {path} is binary, not text")
     try:
@@ -83,8 +88,9 @@ def _text(pattern: str, data_cfg) -> Iterator[tuple[str, str]]:
       for i, line in enumerate(text.splitlines(), 1):
         if line.strip():
           doc = _json_text(line, data_cfg.text_field, f"{path} line {i}")
-          found += bool(doc.strip())
-          yield f"{path}:{i}", doc
+          if doc.strip():
+            found += 1
+            yield f"{path}:{i}", doc
     elif text.strip():
       found += 1
       yield str(path), text
@@ -118,13 +124,26 @@ def _tfds(spec: str, data_cfg) -> Corpus:
     key=lambda p: tuple(int(x) for x in p.name.split(".") if x.isdigit()),
   )
   if not versions:
+    found = root.glob("*/*/dataset_info.json") if not config else ()
+    configs = sorted({p.parent.parent.name for p in found})
+    if configs:
+      raise ConfigError(
+        f"data.source: tfds:{spec} has configs; name one: "
+        + ", ".join(f"tfds:{name}:{c}" for c in configs)
+      )
     raise ConfigError(
       f"data.source: tfds:{spec} is not prepared under {root} (data.data_dir); "
       f"prepare it there with `tfds build {name}"
       f"{'/' + config if config else ''} --data_dir={data_cfg.data_dir} "
       "--file_format=array_record`"
     )
-  builder = tfds.builder_from_directory(str(versions[-1]))
+  try:
+    builder = tfds.builder_from_directory(str(versions[-1]))
+  except Exception as e:  # a damaged or foreign dataset_info.json
+    raise ConfigError(
+      f"data.source: {versions[-1]} does not read as a TFDS dataset "
+      f"({type(e).__name__})"
+    ) from None
   field = data_cfg.text_field
   if field not in builder.info.features:
     raise ConfigError(

@@ -18,14 +18,13 @@ another document gets no loss.
 import dataclasses
 import fcntl
 import hashlib
-import sys
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from loopjax.data import corpus as corpus_lib
-from loopjax.data import pipeline
+from loopjax.data import pipeline, tfds_kg
 from loopjax.errors import ConfigError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
@@ -33,7 +32,6 @@ SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
 _BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
 _EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
 _PAD = ("<pad>", "<|pad|>", "[PAD]")
-MIN_VOCAB = 256 + len(SPECIALS)  # every byte, and the specials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,15 +259,11 @@ def read(data_cfg) -> LmData:
     valid_fraction=float(data_cfg.valid_fraction),
     seed=int(data_cfg.seed),
   )
-  with _locked(root, f"lm_tokens_{name}"):
-    builder = LmTokens(config=config, data_dir=root)
-    if not builder.is_prepared():
-      tfds.display_progress_bar(sys.stderr.isatty())
-      try:
-        builder.download_and_prepare(file_format="array_record")
-      finally:
-        tfds.display_progress_bar(True)
-      (Path(builder.data_dir) / "tokenizer.json").write_text(tok_json)
+  builder = tfds_kg.prepare_once(
+    root, f"lm_tokens_{name}", lambda: LmTokens(config=config, data_dir=root)
+  )
+  if not (beside := Path(builder.data_dir) / "tokenizer.json").exists():
+    beside.write_text(tok_json)  # the tokenizer the tokens were made with
   sources = builder.as_data_source()
   docs = {}
   for split in ("train", "validation"):
@@ -320,7 +314,7 @@ def without_streams(data_cfg, tokenizer_json: str) -> LmData:
 
 
 def _stream(docs, bos: int | None, eos: int) -> dict:
-  pieces, segments = [], []
+  pieces, segments = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
   for i, ids in enumerate(docs):
     doc = np.concatenate([[] if bos is None else [bos], ids, [eos]]).astype(np.int32)
     pieces.append(doc)

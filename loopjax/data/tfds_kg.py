@@ -152,13 +152,19 @@ def _builder(data_cfg):
 
 
 def _prepared(data_cfg):
-  """Prepares under an exclusive file lock: parallel runs share one data_dir."""
   root = Path(data_cfg.data_dir).expanduser()
+  name = f"{data_cfg.task}_{config_name(data_cfg)}"
+  return prepare_once(root, name, lambda: _builder(data_cfg))
+
+
+def prepare_once(root: Path, name: str, make_builder):
+  """`make_builder()`'s dataset, prepared (array_record) unless root holds it,
+  under an exclusive file lock `root/<name>.lock`: parallel runs share one
+  data_dir and prepare it once."""
   root.mkdir(parents=True, exist_ok=True)
-  lock_name = f"{data_cfg.task}_{config_name(data_cfg)}.lock"
-  with open(root / lock_name, "w") as lock:
+  with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-    builder = _builder(data_cfg)
+    builder = make_builder()
     if not builder.is_prepared():
       bars = sys.stderr.isatty()  # logs (SLURM, nohup): no carriage-return bars
       tfds.display_progress_bar(bars)

@@ -74,7 +74,8 @@ def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half"):
 class Attention(nnx.Module):
   """Causal multi-head self-attention, optionally with rotary positions and
   grouped-query heads (`num_kv_heads` < `num_heads`: each key/value head
-  serves num_heads / num_kv_heads query heads)."""
+  serves num_heads / num_kv_heads query heads; grouped projections have no
+  biases, as in Llama; the fused one keeps GPT-2's)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     """`cfg.out_init_scale` scales the output projection's initial weights
@@ -126,20 +127,20 @@ class Attention(nnx.Module):
   def cached(self, x_BTD, kv, offset):
     """Attention of tokens at positions offset.. over a cache of earlier keys
     and values (B, S, K, H) each, which it returns with theirs written in."""
-    q_BTNH, k_BTNH, v_BTNH = self._qkv(x_BTD, offset)
-    k_BSNH, v_BSNH = (
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, offset)
+    k_BSKH, v_BSKH = (
       jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), offset, 1)
-      for c, new in zip(kv, (k_BTNH, v_BTNH), strict=True)
+      for c, new in zip(kv, (k_BTKH, v_BTKH), strict=True)
     )
-    T, S = x_BTD.shape[1], k_BSNH.shape[1]
+    T, S = x_BTD.shape[1], k_BSKH.shape[1]
     seen_TS = jnp.arange(S)[None] <= (offset + jnp.arange(T))[:, None]
     out_BTNH = jax.nn.dot_product_attention(
       q_BTNH,
-      k_BSNH.astype(q_BTNH.dtype),
-      v_BSNH.astype(q_BTNH.dtype),
+      k_BSKH.astype(q_BTNH.dtype),
+      v_BSKH.astype(q_BTNH.dtype),
       mask=seen_TS[None, None],
     )
-    return self._out(out_BTNH), (k_BSNH, v_BSNH)
+    return self._out(out_BTNH), (k_BSKH, v_BSKH)
 
   def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S).
@@ -178,8 +179,9 @@ CAUSAL_BLOCK = 64
 def causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS=None):
   """Causal attention without the weights, grouped heads as they are.
 
-  Accelerators: jax.nn.dot_product_attention (a fused kernel where the backend
-  has one). CPU: query blocks of CAUSAL_BLOCK, each against the keys up to its
+  Accelerators: one jax.nn.dot_product_attention call (XLA's implementation:
+  JAX 0.10 picks no cuDNN kernel by itself, and segment masks rule out the
+  fused one). CPU: query blocks of CAUSAL_BLOCK, each against the keys up to its
   end, so the masked upper triangle is mostly never computed: at T = 256 the
   forward and backward run 1.7x faster than one masked T x T product
   (docs/performance.md)."""

@@ -1,0 +1,84 @@
+"""Config checks of the fields one task family reads (called by config.validate).
+
+Kept apart from the tasks' modules so that validating a config imports no
+data libraries: a bad value fails in a fraction of a second.
+"""
+
+from loopjax.errors import ConfigError
+
+MIN_VOCAB = 259  # a byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
+
+
+def chains(c) -> None:
+  """The fields a k-hop chains run reads (config.validate)."""
+  d, cur = c.data, c.train.curriculum
+  if d.max_hops < 2:
+    raise ConfigError(f"data.max_hops: must be >= 2; got {d.max_hops}")
+  if not 2 <= d.train_hops <= d.max_hops:
+    raise ConfigError(
+      f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
+    )
+  if d.train_per_hop < 1 or d.test_per_hop < 0:
+    field = "train_per_hop" if d.train_per_hop < 1 else "test_per_hop"
+    raise ConfigError(
+      f"data.{field}: must be >= {1 if field == 'train_per_hop' else 0}; "
+      f"got {d[field]!r}"
+    )
+  if not cur.enabled:
+    return
+  if not 2 <= cur.start <= d.train_hops:
+    raise ConfigError(
+      f"train.curriculum.start: must be in [2, data.train_hops={d.train_hops}]; "
+      f"got {cur.start}"
+    )
+  if not 0 <= cur.threshold <= 1:
+    raise ConfigError(
+      f"train.curriculum.threshold: must be in [0, 1]; got {cur.threshold!r}"
+    )
+  if not 0 < cur.lr_decay <= 1:
+    raise ConfigError(
+      f"train.curriculum.lr_decay: must be in (0, 1]; got {cur.lr_decay!r}"
+    )
+  if not 0 <= cur.lr_min <= c.train.lr:
+    raise ConfigError(
+      f"train.curriculum.lr_min: must be in [0, train.lr={c.train.lr}]; got "
+      f"{cur.lr_min!r}"
+    )
+  if d.test_per_hop < 1:
+    raise ConfigError(
+      "data.test_per_hop: must be >= 1 with a curriculum (it advances on "
+      "held-out accuracy); got 0"
+    )
+  if c.eval_every < 1:
+    raise ConfigError(
+      "eval_every: must be >= 1 with a curriculum (it advances at evaluations); got 0"
+    )
+
+
+def lm(c) -> None:
+  """The `data` and `train` fields a language model reads (config.validate)."""
+  d = c.data
+  if not (d.source == "stdlib" or d.source.startswith(("text:", "tfds:"))):
+    raise ConfigError(
+      "data.source: must be 'stdlib', 'text:GLOB' or 'tfds:NAME[:CONFIG]' for "
+      f"data.task 'lm'; got {d.source!r}"
+    )
+  if d.vocab_size < MIN_VOCAB:
+    raise ConfigError(
+      f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "
+      f"got {d.vocab_size}"
+    )
+  if d.seq_len < 2:
+    raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")
+  if not 0 < d.valid_fraction < 1 or d.valid_sequences < 0:
+    raise ConfigError(
+      "data.valid_fraction: must be in (0, 1) and data.valid_sequences >= 0; got "
+      f"{d.valid_fraction!r}, {d.valid_sequences!r}"
+    )
+  if c.train.supervise != "last" or c.train.label_smoothing:
+    raise ConfigError(
+      "train.supervise: must be 'last' with no train.label_smoothing for "
+      f"data.task 'lm'; got {c.train.supervise!r}, {c.train.label_smoothing!r}"
+    )
+  if not (0 <= c.train.z_loss < 1):
+    raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
