@@ -127,3 +127,21 @@ def test_sampled_depth_truncated_backprop_and_remat_train_an_lm(lm_config, tmp_p
   records = metrics.read_jsonl(tmp_path / "run/metrics.jsonl")
   assert {r["train/depth"] for r in records if "train/depth" in r} <= {1.0, 2.0, 3.0}
   assert last["train/loss"] < 6.0 and last["eval/validation/loss"] < 6.0
+
+
+def test_an_evaluation_job_follows_an_lm_run(lm_config, tmp_path):
+  """Trained with eval_every=0, the follower evaluates each checkpoint."""
+  from loopjax import follow
+
+  lm_config.update(eval_every=0)
+  train.train_and_evaluate(lm_config, tmp_path / "run")
+  follow.follow(tmp_path / "run", lm_config, poll_s=0.1)
+  records = metrics.read_jsonl(tmp_path / "run/eval/metrics.jsonl")
+  assert [r["step"] for r in records] == [10, 20]
+  assert all("eval/validation/loss@4" in r for r in records)
+  assert json.loads((tmp_path / "run/eval/step_20.json").read_text())["depths"] == [
+    1,
+    2,
+    3,
+    4,
+  ]
