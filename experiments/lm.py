@@ -49,7 +49,8 @@ def get_config(variant: str = "cpu"):
   elif variant == "cpu":
     c.data.update(vocab_size=4096, seq_len=256, valid_sequences=64)
     c.model.update(d_model=128, num_heads=4, num_layers=2, num_loops=4)
-    # ~1.5 steps/s (6k tokens/s) on a 2-core CPU: 1500 steps in ~17 minutes.
+    # 1.0 steps/s (4.2k tokens/s) on one core of a 2-core AMD EPYC: 1500
+    # steps in 24 minutes (docs/results/lm.md).
     c.train.update(batch_size=16, num_steps=1500, lr=3e-3, warmup_steps=100)
     c.eval.update(batch_size=16, depths=(8, 16))
     c.checkpoint.every = 250

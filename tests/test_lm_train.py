@@ -48,6 +48,7 @@ def test_a_changed_corpus_is_refused_by_its_workdir(lm_config, tmp_path):
   assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
 
 
+@pytest.mark.slow  # five CLI processes, ~30 s
 def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   wd, data_dir = tmp_path / "run", lm_config.data.data_dir
   args = [
@@ -119,6 +120,7 @@ def test_a_sharded_lm_step_matches_one_device(lm_config):
       np.testing.assert_allclose(m[k], v, rtol=2e-5, atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_sampled_depth_truncated_backprop_and_remat_train_an_lm(lm_config, tmp_path):
   lm_config.train.update(num_steps=10, backprop_depth=1)
   lm_config.train.depth.update(dist="poisson", mean=2.0, min=1, max=3)
