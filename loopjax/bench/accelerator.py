@@ -86,7 +86,8 @@ def training_summary(workdir: pathlib.Path, num_steps: int) -> dict:
   timed = [r for r in records if "time" in r and "event" not in r]
   if not timed:
     return {"error": f"{path}: no step was logged"}
-  last = timed[-1]
+  end = next((r for r in records if r.get("event") == "end"), None)
+  last = end or timed[-1]  # the end record: the step a preemption saved
   logged = [r for r in timed if "train/steps_per_s" in r]
   # Steady state: after the first logged step, which carries the compile.
   steady = (
@@ -95,7 +96,6 @@ def training_summary(workdir: pathlib.Path, num_steps: int) -> dict:
     else None
   )
   end_to_end = last["step"] / (last["time"] - start["time"])
-  end = next((r for r in records if r.get("event") == "end"), None)
   return {
     "steps": last["step"],
     "wall_s": last["time"] - start["time"],
