@@ -30,8 +30,7 @@ def per_iteration_sums(model: Model, batch, num_loops: int, key):
   x_BTD, h_BTD = m.encode(batch["inputs"], key, seg)
 
   def readout(h_BTD):
-    for block in m.coda:
-      h_BTD = block(h_BTD, segments_BT=seg)
+    h_BTD = m.coda_out(h_BTD, seg)
     return loss.lm_row_sums(m.logits, h_BTD, batch["targets"], batch["mask"])[:2]
 
   _, (loss_RB, correct_RB) = recurrence.unroll(

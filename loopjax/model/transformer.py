@@ -117,11 +117,16 @@ class LoopedTransformer(nnx.Module):
     w_DV = self.embed.T if self.unembed is None else self.unembed
     return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
 
+  def coda_out(self, h_BTD, segments_BT=None):
+    """The state through the coda: what `logits` reads (B, T, D)."""
+    for block in self.coda:
+      h_BTD = block(h_BTD, segments_BT=segments_BT)
+    return h_BTD
+
   def readout(self, h_BTD, answer_pos_B, segments_BT=None):
     """Coda, final norm and unembedding: logits at the answer position (B, V),
     or at every position (B, T, V) where `answer_pos_B` is None."""
-    for block in self.coda:
-      h_BTD = block(h_BTD, segments_BT=segments_BT)
+    h_BTD = self.coda_out(h_BTD, segments_BT)
     if answer_pos_B is None:
       return self.logits(h_BTD)
     return self.logits(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0])
@@ -229,9 +234,7 @@ class LoopedTransformer(nnx.Module):
       grad_depth=grad_depth,
     )
     if hidden:
-      for block in self.coda:
-        h_BTD = block(h_BTD, segments_BT=segments_BT)
-      return h_BTD
+      return self.coda_out(h_BTD, segments_BT)
     logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
 
