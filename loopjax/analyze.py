@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from loopjax import data, evaluate
+from loopjax import analyze_lm, data, evaluate
 from loopjax.analysis import (
   MECHANISTIC,
   activations,
@@ -28,7 +28,7 @@ from loopjax.analysis import (
   overthinking,
 )
 from loopjax.data import kg, pipeline
-from loopjax.errors import ConfigError, first_line
+from loopjax.errors import first_line
 from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 
@@ -52,25 +52,17 @@ def main_split(config) -> str:
 def analyze(config, workdir, step: int | None = None) -> list[Path]:
   """`--mode=analyze`: `analyze.names` on a checkpoint (default: the newest),
   written under `workdir/analysis`."""
-  check_task(config)
   workdir = Path(workdir)
   task, model, step = evaluate.restore_model(config, workdir, step)
   return run(config, workdir, task, model, step, workdir / "analysis")
 
 
-def check_task(config) -> None:
-  """The analyses read answer positions of the knowledge-graph tasks."""
-  if config.data.task == "lm":
-    raise ConfigError(
-      "--mode=analyze: the analyses are for the knowledge-graph tasks; "
-      "language-model runs have --mode=eval (loss by iteration count) and "
-      "--mode=sample"
-    )
-
-
 def run(config, workdir, task, model: Model, step: int, out_dir, phases=True):
   """The analyses of `model` (the checkpoint at `step`), written under
-  `out_dir`; `phases`: the logit lens also on every phase's checkpoint."""
+  `out_dir`; `phases`: the logit lens also on every phase's checkpoint.
+  A language model's are `analyze_lm`'s."""
+  if config.data.task == "lm":
+    return analyze_lm.run(config, task, model, step, out_dir)
   workdir, out_dir = Path(workdir), Path(out_dir)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, a = task.vocab.pad_id, config.analyze
@@ -129,12 +121,13 @@ def _traced(weights: Model, batch, key, *, depth: int, names: tuple, pad: int):
   if "logit_lens" in names:
     out["logit_lens"] = logit_lens.per_example(model, trace, batch)
   for name, module in (
-    ("fixed_points", fixed_points),
     ("attention", attention),
     ("activations", activations),
   ):
     if name in names:
       out[name] = module.per_example(trace, batch, pad)
+  if "fixed_points" in names:
+    out["fixed_points"] = fixed_points.per_example(model, trace, batch, pad)
   return out
 
 
@@ -143,7 +136,9 @@ def trace_all(config, step, model: Model, probes, pad) -> dict:
   a, out = config.analyze, {}
   summarize = {
     "logit_lens": lambda ex, split: logit_lens.summarize(ex, split["bridge"]),
-    "fixed_points": lambda ex, split: fixed_points.summarize(ex, a.tol),
+    "fixed_points": lambda ex, split: fixed_points.summarize(
+      ex, a.tol, a.fp_share, a.cycle_margin
+    ),
     "attention": lambda ex, split: attention.summarize(ex),
     "activations": lambda ex, split: activations.summarize(ex, config.model.d_model),
   }

@@ -13,7 +13,7 @@ import math
 import ml_collections
 
 from loopjax import halting, task_checks
-from loopjax.analysis import ANALYSES, MECHANISTIC
+from loopjax.analysis import ANALYSES, LM_ANALYSES, MECHANISTIC
 from loopjax.errors import ConfigError
 
 ENUMS = {
@@ -34,7 +34,7 @@ ENUMS = {
 }
 # Tuple fields whose every name must be one the owning module knows.
 NAME_LISTS = {
-  "analyze.names": ANALYSES,
+  "analyze.names": tuple(dict.fromkeys(ANALYSES + LM_ANALYSES)),
   "analyze.halting.criteria": tuple(halting.CRITERIA),
 }
 
@@ -165,13 +165,22 @@ def base() -> ml_collections.ConfigDict:
   # entropy in nats, patience: argmax streak), up to r_max iterations.
   # The mechanistic analyses (logit_lens, fixed_points, attention, activations)
   # trace every layer to max_depth iterations, batch_size examples at a time;
-  # tol: the relative change under which a layer counts as converged;
+  # Fixed points (decided per token, fixed_points.py): tol, the relative change
+  # of the read state under which a token has converged; fp_share, the share of
+  # tokens that must have for a layer to; cycle_margin, how far apart the
+  # layers' limit directions must stay for a cyclic fixed point.
   # lens_phases: the logit lens also runs on each grokking phase's checkpoint.
+  # A language model (LM_ANALYSES): the first lm_windows validation windows;
+  # sink_threshold, the attention mass on the first token that makes a sink.
   c.analyze = dict(
     names=ANALYSES,
     max_depth=64,
     batch_size=256,
     tol=1e-3,
+    fp_share=0.9,
+    cycle_margin=0.01,
+    lm_windows=32,
+    sink_threshold=0.3,
     lens_phases=True,
     halting=dict(
       criteria=tuple(halting.CRITERIA),
@@ -218,6 +227,7 @@ _BOUNDS = {
       "log_every",
       "analyze.max_depth",
       "analyze.batch_size",
+      "analyze.lm_windows",
       "analyze.halting.r_min",
       "analyze.halting.r_max",
     ),
@@ -245,6 +255,9 @@ _BOUNDS = {
   "train.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
   "train.backprop_depth": (lambda v: v >= 0, "must be >= 0 (0: all iterations)"),
   "analyze.tol": (lambda v: v > 0, "must be > 0"),
+  "analyze.fp_share": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
+  "analyze.cycle_margin": (lambda v: v >= 0, "must be >= 0"),
+  "analyze.sink_threshold": (lambda v: 0 < v < 1, "must be in (0, 1)"),
   "model.init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "model.embed_init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "model.out_init_scale": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
@@ -322,9 +335,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "train.backprop_depth: needs model.injection add or concat (else the "
       "embeddings get no gradient through the core); got injection 'none'"
     )
-  if a.max_depth < 2 and any(n in MECHANISTIC for n in a.names):
+  allowed = LM_ANALYSES if d.task == "lm" else ANALYSES
+  if wrong := [n for n in a.names if n not in allowed]:
     raise ConfigError(
-      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)} (they "
+      f"analyze.names: for data.task {d.task!r} each must be one of "
+      f"{', '.join(allowed)}; got {wrong[0]!r}"
+    )
+  if a.max_depth < 2 and any(n in MECHANISTIC + LM_ANALYSES for n in a.names):
+    raise ConfigError(
+      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)}, stages (they "
       f"compare successive iterations); got {a.max_depth}"
     )
   if a.halting.r_min > a.halting.r_max:

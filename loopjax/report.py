@@ -6,7 +6,8 @@ transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
 `DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
 tabulates, per run, steps and wall time to each phase and the final accuracies;
 a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
-`DIR/plots/ablations.png` (analysis/ablations.py).
+`DIR/plots/ablations.png` (analysis/ablations.py), and a sweep of language
+models `DIR/lm_study.md` and `DIR/plots/lm_study.png` (analysis/lm_study.py).
 k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
 where the hop curriculum advanced. Language-model runs get `plots/lm.png`:
 training and validation loss against step beside the unigram baseline, and
@@ -22,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from loopjax.analysis import ablations, grokking  # noqa: E402
+from loopjax.analysis import ablations, grokking, lm_study  # noqa: E402
 from loopjax.data.kg import hop_count  # noqa: E402
 from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
 from loopjax.workdir import Workdir  # noqa: E402
@@ -221,7 +222,8 @@ def report(path: Path) -> list[Path]:
     if not runs:
       raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
     figures = [_plot(r) for r in runs] + [plot_sweep(path, runs)]
-    figures += ablations.write(path, runs)
+    kg = [r for r in runs if not lm_study.is_lm(r)]
+    figures += ablations.write(path, kg) + lm_study.write(path, runs)
   table = path / "results.md"
   table.write_text(results_table([results_row(r) for r in runs]))
   return [*figures, table]

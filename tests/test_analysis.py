@@ -104,38 +104,89 @@ def test_logit_lens_ranks_under_a_known_unembedding():
 
 
 def _states(layers_RL):
-  """(R, L, B=1, T=2, D=2) hidden states from a list of (L, 2)-vectors per
+  """(R, L, B=1, T=2, D) hidden states from a list of (L, D)-vectors per
   iteration, the same at both tokens."""
   h = np.asarray(layers_RL, np.float32)[:, :, None, None, :]
-  return {"core": {"hidden": jnp.asarray(np.repeat(h, 2, 3))}}
+  return jnp.asarray(np.repeat(h, 2, 3))
 
 
-def _fixed(layers_RL):
-  ex = fixed_points.per_example(_states(layers_RL), _batch([[1, 2]]), PAD)
-  return ex, fixed_points.summarize(jax.device_get(ex), tol=1e-3)
+def _fixed(layers_RL, margin=0.01):
+  real = np.ones((1, 2), bool)
+  ex = fixed_points.from_stream(_states(layers_RL), fixed_points.unit_rms, real)
+  return ex, fixed_points.summarize(jax.device_get(ex), 1e-3, 0.9, margin)
 
 
 def test_fixed_points_of_hand_made_trajectories():
-  a, b, c = [1.0, 0.0], [0.0, 1.0], [2.0, 0.0]
+  a, b, c = [1.0, 0.0], [0.0, 1.0], [2.0, 1.0]
   # Each layer settles from iteration 2 on, on its own state: cyclic.
   ex, s = _fixed([[c, b], [a, b], [a, b], [a, b]])
-  np.testing.assert_allclose(ex["change"][0, :, 0], [0.5, 0, 0])  # |c-a| / |c|
+  u = np.array(c) / np.linalg.norm(c)
+  np.testing.assert_allclose(
+    ex["change"][0, 0, :, 0], [np.linalg.norm(u - a), 0, 0], rtol=1e-5
+  )
   assert [x["converged_at"] for x in s["layers"]] == [2, 1]
+  assert [x["period"] for x in s["layers"]] == [1, 1]
   assert s["kind"] == "cyclic fixed point"
   np.testing.assert_allclose(s["distance"], [[0, 2**0.5], [2**0.5, 0]], rtol=1e-6)
-  np.testing.assert_allclose(s["cosine"], [[1, 0], [0, 1]], atol=1e-6)
-  # Both layers on one state: a plain fixed point.
+  # Both layers on one state, or limits closer than the margin: a fixed point.
   assert _fixed([[c, c], [a, a], [a, a]])[1]["kind"] == "fixed point"
+  assert _fixed([[a, b], [a, b], [a, b]], margin=2.0)[1]["kind"] == "fixed point"
+  # A block of one layer shows a fixed point, never a cycle of layers.
+  assert _fixed([[c], [a], [a], [a]])[1]["kind"] == "fixed point"
   # Alternating states: a cycle of period 2, never converged.
   _, s = _fixed([[a, a], [b, b], [a, a], [b, b], [a, a]])
   assert s["kind"] == "cycle of period 2"
   assert [x["converged_at"] for x in s["layers"]] == [None, None]
+  assert [x["period"] for x in s["layers"]] == [2, 2]
 
 
-def test_converged_at_needs_every_later_change_below_tol():
-  assert fixed_points.converged_at(np.array([1, 1e-4, 1, 1e-4, 1e-4]), 1e-3) == 4
-  assert fixed_points.converged_at(np.array([1e-4, 1e-4]), 1e-3) == 1
-  assert fixed_points.converged_at(np.array([1e-4, 1.0]), 1e-3) is None
+def test_a_growing_stream_whose_direction_is_fixed_has_converged():
+  """A pre-norm stream adding the same update every iteration: its raw
+  relative change falls like 1/r and never reaches tol, yet what the next
+  layer reads (and the update) stop changing from the first iteration."""
+  v, w = np.array([3.0, 1.0, 0.0]), np.array([0.0, 1.0, 2.0])
+  _, s = _fixed([[r * v, r * w] for r in range(1, 17)])
+  assert s["kind"] == "cyclic fixed point"
+  assert [x["converged_at"] for x in s["layers"]] == [1, 1]
+  np.testing.assert_allclose(s["layers"][0]["raw"][-1], 1 / 15, rtol=1e-5)
+  np.testing.assert_allclose(s["layers"][0]["update"], 0, atol=1e-6)
+  np.testing.assert_allclose(s["layers"][0]["cosine"], 1, atol=1e-6)
+  # A fixed offset: the direction converges like 1/r^2, the update at once.
+  _, s = _fixed([[r * v + w, w] for r in range(1, 65)])
+  change = np.asarray(s["layers"][0]["change"])
+  assert change[0] > 0.1 and change[-1] < 1e-3
+  np.testing.assert_allclose(s["layers"][0]["update"], 0, atol=1e-5)
+
+
+def test_convergence_is_decided_per_token():
+  """One token that never settles cannot hide behind a larger one that has
+  (a Frobenius norm over the sequence would); fp_share says how many may."""
+  R, D = 8, 4
+  rng = np.random.default_rng(0)
+  h = np.zeros((R, 1, 1, 10, D), np.float32)
+  h[:, :, :, :9] = 100.0 * rng.normal(size=D)  # 9 large tokens, settled
+  h[:, :, :, 9] = rng.normal(size=(R, 1, 1, D))  # one small token, wandering
+  ex = fixed_points.from_stream(
+    jnp.asarray(h), fixed_points.unit_rms, np.ones((1, 10), bool)
+  )
+  ex = jax.device_get(ex)
+  assert fixed_points.summarize(ex, 1e-3, 0.9, 0.01)["layers"][0]["converged_at"] == 1
+  s = fixed_points.summarize(ex, 1e-3, 0.95, 0.01)
+  assert s["layers"][0]["converged_at"] is None and s["kind"] == "not converged"
+  np.testing.assert_allclose(s["layers"][0]["converged_share"], 0.9)
+  # The padding token is not counted.
+  real = np.ones((1, 10), bool)
+  real[0, 9] = False
+  ex = fixed_points.from_stream(jnp.asarray(h), fixed_points.unit_rms, real)
+  s = fixed_points.summarize(jax.device_get(ex), 1e-3, 1.0, 0.01)
+  assert s["layers"][0]["converged_at"] == 1
+
+
+def test_converged_from_needs_every_later_change_below_tol():
+  change_NR = np.array(
+    [[1, 1e-4, 1, 1e-4, 1e-4], [1e-4] * 5, [1e-4, 1e-4, 1e-4, 1e-4, 1.0]]
+  )
+  assert fixed_points.converged_from(change_NR, 1e-3).tolist() == [4, 1, np.inf]
 
 
 def test_massive_activation_is_found_and_padding_ignored():

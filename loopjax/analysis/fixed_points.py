@@ -1,104 +1,188 @@
-"""Fixed points of the recurrence, layer by layer.
+"""Fixed points of the recurrence, layer by layer, decided per token.
 
-For each layer l of the core, the relative change of its output between
-successive iterations, ||h_l(r+1) - h_l(r)|| / ||h_l(r)|| (Frobenius norm over
-the example's real tokens and the model dimension), and how far apart the
-different layers' outputs are after the last iteration (relative distance
-||h_l - h_m|| / ||h_l||, and cosine, which a residual stream keeps near 1).
-Every layer's change going to 0 while the layers' limit states stay apart (by
-more than the tolerance) is a cyclic fixed point: the block cycles through L
-states, one per layer. One shared limit state is a plain fixed point. A state
-repeating every p > 1 iterations (a limit cycle of the whole block) shows in
-`period`; `kind` names which of these the mean curves show.
+The raw relative change ||h_l(r+1) - h_l(r)|| / ||h_l(r)|| of a pre-norm
+residual stream cannot show a fixed point: once the state's direction settles,
+each iteration adds a near-constant update, the norm grows linearly and that
+ratio falls like 1/r whatever the dynamics. So for each token and layer l the
+analysis measures what the next layer reads, `read_l(h)` (its input norm, with
+the input injected first for the block's last layer):
+
+- `change`: ||read(h(r+1)) - read(h(r))|| / ||read(h(r))||, the verdict's metric;
+- `cosine`: cos(h(r), h(r+1)) (MECH's and Huginn's measure);
+- `update`: ||delta(r+1) - delta(r)|| / ||delta(r)|| with delta(r) = h(r+1) - h(r)
+  (0: the block adds the same update every iteration);
+- `raw`: the raw relative change above, for comparison.
+
+A token has converged from the first iteration after which its `change` stays
+below `tol`; a layer converges at the iteration by which a share `share` of the
+real tokens have. Its period is the smallest p at which that share of tokens'
+read states equal (within `tol`) their own p iterations back. The limit states
+of different layers are compared by the distance of their unit directions
+||u_l - u_m|| (u = h / ||h||, per token, median over tokens): every layer
+converged with every pair of limits further apart than `margin` is a cyclic
+fixed point (the block cycles through L states, one per layer); a block of one
+layer, or limits closer than `margin`, is a plain fixed point.
 """
 
 import jax.numpy as jnp
 import numpy as np
 
 MAX_PERIOD = 4
+CURVES = ("change", "cosine", "update", "raw")
 
 
-def _norm(x_BTD, mask_BT):
-  """Frobenius norm over real tokens x dimensions, (..., B)."""
-  mask = mask_BT.reshape((1,) * (x_BTD.ndim - 3) + (*mask_BT.shape, 1))
-  return jnp.sqrt(((x_BTD * mask) ** 2).sum((-2, -1)))
+def next_layer_reads(model, x_BTD):
+  """read(h_LBTD) -> (..., L, B, T, D): each core layer's output as the layer
+  after it reads it (its input norm; none for post-norm blocks, which read the
+  stream as it is); the last layer's is read by the first after injection."""
+  core = list(model.core)
+
+  def norm1(block, h):
+    return h if block.position == "post" else block.norm1(h)
+
+  def last(h):  # any leading axes: the input broadcast to them
+    x = jnp.broadcast_to(x_BTD, h.shape)
+    return norm1(core[0], model.inject(model.end_iteration(h), x))
+
+  def read(h_LBTD):
+    outs = [norm1(core[l + 1], h_LBTD[..., l, :, :, :]) for l in range(len(core) - 1)]
+    outs.append(last(h_LBTD[..., -1, :, :, :]))
+    return jnp.stack(outs, -4).astype(jnp.float32)
+
+  return read
 
 
-def per_example(trace: dict, batch, pad_id: int) -> dict:
-  """change (B, R-1, L); cosine and distance (B, L, L) between the last
-  iteration's layer outputs; lag (B, P, L): distance of the last state to the
-  one p = 1..P iterations before, relative to the earlier one (as `change`:
-  lag p = 1 is the last change)."""
-  h_RLBTD = trace["core"]["hidden"].astype(jnp.float32)
-  mask_BT = (batch["inputs"] != pad_id).astype(jnp.float32)
-  size_RLB = _norm(h_RLBTD, mask_BT)
-  change_RLB = _norm(h_RLBTD[1:] - h_RLBTD[:-1], mask_BT) / size_RLB[:-1]
-  last_LBTD = h_RLBTD[-1] * mask_BT[None, :, :, None]
-  flat_LBF = last_LBTD.reshape(*last_LBTD.shape[:2], -1)
-  unit_LBF = flat_LBF / jnp.linalg.norm(flat_LBF, axis=-1, keepdims=True)
-  cosine_BLL = jnp.einsum("lbf,mbf->blm", unit_LBF, unit_LBF)
-  gap_LLB = _norm(h_RLBTD[-1][:, None] - h_RLBTD[-1][None], mask_BT)
-  distance_BLL = jnp.moveaxis(gap_LLB / size_RLB[-1][:, None, :], -1, 0)
-  R = h_RLBTD.shape[0]
-  lag_PLB = jnp.stack(
-    [
-      _norm(h_RLBTD[-1] - h_RLBTD[-1 - p], mask_BT) / size_RLB[-1 - p]
-      for p in range(1, min(MAX_PERIOD, R - 1) + 1)
-    ]
-  )
-  return {
-    "change": jnp.moveaxis(change_RLB, -1, 0),
-    "cosine": cosine_BLL,
-    "distance": distance_BLL,
-    "lag": jnp.moveaxis(lag_PLB, -1, 0),
+def unit_rms(h_LBTD):
+  """The scale-free reading (unit RMS per token): tests and hand-built streams."""
+  h = h_LBTD.astype(jnp.float32)
+  return h * jnp.reciprocal(jnp.sqrt((h * h).mean(-1, keepdims=True)) + 1e-30)
+
+
+def _rel(a, b):
+  """||a - b|| / ||b|| over the last axis."""
+  return jnp.linalg.norm(a - b, axis=-1) / (jnp.linalg.norm(b, axis=-1) + 1e-30)
+
+
+def _unit(h):
+  return h / (jnp.linalg.norm(h, axis=-1, keepdims=True) + 1e-30)
+
+
+def step_metrics(h_prev, h_cur, read_prev, read_cur, delta_prev):
+  """Per token (..., L, B, T): change, cosine, raw between two successive
+  iterations' layer outputs, and update (delta_prev: the previous iteration's
+  update; its first entry is meaningless and dropped by `per_example`);
+  also this update, (..., L, B, T, D)."""
+  h_prev, h_cur = h_prev.astype(jnp.float32), h_cur.astype(jnp.float32)
+  delta = h_cur - h_prev
+  cos = (_unit(h_prev) * _unit(h_cur)).sum(-1)
+  out = {
+    "change": _rel(read_cur, read_prev),
+    "cosine": cos,
+    "update": _rel(delta, delta_prev),
+    "raw": _rel(h_cur, h_prev),
   }
+  return out, delta
 
 
-def converged_at(change_R: np.ndarray, tol: float) -> int | None:
-  """The first iteration r from which every later change is below `tol`
-  (entry r-1 of `change` compares iterations r and r+1), or None."""
-  above = np.flatnonzero(np.asarray(change_R) >= tol)
-  if not above.size:
-    return 1
-  r = int(above[-1]) + 2
-  return r if r <= len(change_R) else None
+def limit_metrics(h_LBTD, read_PLBTD, read_LBTD):
+  """At the last iteration, per token: lag (P, L, B, T), the relative distance
+  of each layer's read state to its own p = 1..P iterations back
+  (`read_PLBTD`, most recent first), and distance (L, L, B, T) between the
+  layers' unit directions."""
+  lag = _rel(read_LBTD[None], read_PLBTD)
+  u = _unit(h_LBTD.astype(jnp.float32))
+  distance = jnp.linalg.norm(u[:, None] - u[None], axis=-1)
+  return {"lag": lag, "distance": distance}
 
 
-def summarize(examples: dict, tol: float) -> dict:
-  """Per layer: the mean change curve, the iteration it converges at (mean
-  curve below `tol` from then on), the share of examples whose last change is
-  below `tol`, the period (smallest p whose mean lag is below `tol`, else
-  None); the mean cosine and distance matrices between layers' limit states;
-  and the `kind` of limit: "fixed point", "cyclic fixed point", "cycle of
-  period p" or "not converged"."""
-  change_RL = examples["change"].mean(0)
-  lag_PL = examples["lag"].mean(0)
+def per_example(model, trace: dict, batch, pad_id: int) -> dict:
+  """`from_stream` on a full trace (the knowledge-graph probes)."""
+  x_BTD = (trace["prelude"] or {"hidden": trace["embed"][None]})["hidden"][-1]
+  read = next_layer_reads(model, x_BTD)
+  return from_stream(trace["core"]["hidden"], read, batch["inputs"] != pad_id)
+
+
+def from_stream(h_RLBTD, read, real_BT) -> dict:
+  """Per token, from every layer's output at every iteration: the curves (B, T,
+  R-1, L) (`update`: (B, T, R-2, L)), lag (B, T, P, L), distance (B, T, L, L),
+  and the real-token mask `real` (B, T). `read`: `next_layer_reads`, or
+  `unit_rms` for a stream without a model."""
+  r_RLBTD = read(h_RLBTD)
+  R = h_RLBTD.shape[0]
+  delta_RLBTD = (h_RLBTD[1:] - h_RLBTD[:-1]).astype(jnp.float32)
+  curves, _ = step_metrics(
+    h_RLBTD[:-1],
+    h_RLBTD[1:],
+    r_RLBTD[:-1],
+    r_RLBTD[1:],
+    jnp.concatenate([delta_RLBTD[:1], delta_RLBTD[:-1]]),
+  )
+  curves["update"] = curves["update"][1:]
+  P = min(MAX_PERIOD, R - 1)
+  limits = limit_metrics(h_RLBTD[-1], r_RLBTD[-1 - P : -1][::-1], r_RLBTD[-1])
+  return tokens_first(curves | limits) | {"real": real_BT}
+
+
+def tokens_first(out: dict) -> dict:
+  """(X, Y, B, T) arrays as (B, T, X, Y): examples first, for batching."""
+  return {k: jnp.moveaxis(v, (-2, -1), (0, 1)) for k, v in out.items()}
+
+
+def converged_from(change_NR: np.ndarray, tol: float) -> np.ndarray:
+  """Per token, the first iteration r from which every later change is below
+  `tol` (entry r-1 compares iterations r and r+1); inf where the last is not."""
+  above_NR = np.asarray(change_NR) >= tol
+  R = above_NR.shape[1]
+  last = np.where(above_NR.any(1), R - 1 - np.argmax(above_NR[:, ::-1], 1), -1)
+  return np.where(last + 2 <= R, last + 2, np.inf).astype(float)
+
+
+def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
+  """Per layer: median curves over real tokens, `converged_at` (the iteration
+  by which `share` of the tokens have converged, or None), `converged_share`
+  (tokens converged by the last iteration) and `period`; the median distance
+  between the layers' limits; and the `kind` of limit: "fixed point", "cyclic
+  fixed point", "cycle of period p" or "not converged"."""
+  real = np.asarray(examples["real"], bool)
+  tok = {k: np.asarray(v)[real] for k, v in examples.items() if k != "real"}
+  L = tok["change"].shape[-1]
   layers = []
-  for l in range(change_RL.shape[1]):
-    periods = np.flatnonzero(lag_PL[:, l] < tol)
+  for l in range(L):
+    at_N = converged_from(tok["change"][:, :, l], tol)
+    reached = np.sort(at_N)[int(np.ceil(share * len(at_N))) - 1]
+    periods = [
+      p + 1
+      for p in range(tok["lag"].shape[1])
+      if (tok["lag"][:, p, l] < tol).mean() >= share
+    ]
     layers.append(
-      {
-        "change": change_RL[:, l].tolist(),
-        "converged_at": converged_at(change_RL[:, l], tol),
-        "converged_share": float((examples["change"][:, -1, l] < tol).mean()),
-        "period": int(periods[0]) + 1 if periods.size else None,
+      {k: np.median(tok[k][:, :, l], 0).tolist() for k in CURVES}
+      | {
+        "change_p90": np.quantile(tok["change"][:, :, l], 0.9, 0).tolist(),
+        "converged_at": None if np.isinf(reached) else int(reached),
+        "converged_share": float(np.isfinite(at_N).mean()),
+        "period": periods[0] if periods else None,
       }
     )
-  distance_LL = examples["distance"].mean(0)
+  distance_LL = np.median(tok["distance"], 0)
   return {
     "tol": tol,
-    "kind": _kind(layers, distance_LL, tol),
+    "share": share,
+    "margin": margin,
+    "tokens": int(real.sum()),
+    "kind": kind(layers, distance_LL, margin),
     "layers": layers,
-    "cosine": examples["cosine"].mean(0).tolist(),
     "distance": distance_LL.tolist(),
   }
 
 
-def _kind(layers: list[dict], distance_LL: np.ndarray, tol: float) -> str:
+def kind(layers: list[dict], distance_LL: np.ndarray, margin: float) -> str:
+  periods = {x["period"] for x in layers}
   if all(x["converged_at"] is not None for x in layers):
     apart = distance_LL[~np.eye(len(layers), dtype=bool)]
-    return "cyclic fixed point" if apart.size and apart.min() > tol else "fixed point"
-  periods = {x["period"] for x in layers}
-  if len(periods) == 1 and None not in periods:
+    return (
+      "cyclic fixed point" if apart.size and apart.min() > margin else "fixed point"
+    )
+  if len(periods) == 1 and None not in periods and periods != {1}:
     return f"cycle of period {periods.pop()}"
   return "not converged"

@@ -94,31 +94,64 @@ def lens_phases(report: dict, path: Path) -> Path:
 
 
 def fixed_points(report: dict, path: Path) -> Path:
-  """Relative change of each layer's output per iteration (log scale) and the
-  relative distance between the layers' limit states."""
+  """Per layer, against iterations (log scales): the change of what the next
+  layer reads (median over tokens, band to the 90th percentile) beside the
+  raw residual-stream change; the change of the update and 1 - cosine; and
+  the distance between the layers' limit directions."""
   split, fp = main_result(report, "fixed_points")
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4), width_ratios=(2, 2, 1))
   for l, layer in enumerate(fp["layers"]):
     change = np.asarray(layer["change"])
-    axes[0].plot(np.arange(1, len(change) + 1), change, label=f"layer {l + 1}")
-  axes[0].axhline(fp["tol"], color="gray", ls=":", lw=1)
-  for d in report["train_depths"]:
-    axes[0].axvline(d, color="gray", ls="--", lw=0.8)
-  axes[0].set_xscale("log", base=2)
-  axes[0].set_yscale("log")
-  axes[0].set_xlabel("iteration r (dashed: training depth, dotted: tol)")
-  axes[0].set_ylabel("||h(r+1) - h(r)|| / ||h(r)||")
-  axes[0].legend(fontsize=8)
-  axes[0].grid(alpha=0.3)
+    r = np.arange(1, len(change) + 1)
+    (line,) = axes[0].plot(r, change, label=f"layer {l + 1}: read state")
+    axes[0].fill_between(
+      r, change, layer["change_p90"], color=line.get_color(), alpha=0.15
+    )
+    axes[0].plot(
+      r,
+      layer["raw"],
+      color=line.get_color(),
+      ls="--",
+      lw=1,
+      label=f"layer {l + 1}: raw stream",
+    )
+    update = np.asarray(layer["update"])
+    axes[1].plot(
+      np.arange(2, len(update) + 2),
+      update,
+      color=line.get_color(),
+      label=f"layer {l + 1}: update change",
+    )
+    axes[1].plot(
+      r,
+      1 - np.asarray(layer["cosine"]),
+      color=line.get_color(),
+      ls=":",
+      label=f"layer {l + 1}: 1 - cosine",
+    )
+  for ax in axes[:2]:
+    ax.axhline(fp["tol"], color="gray", ls=":", lw=1)
+    for d in report["train_depths"]:
+      ax.axvline(d, color="gray", ls="--", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("iteration r (dashed: training depth, dotted: tol)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("relative change, iteration r to r + 1")
+  axes[1].set_ylabel("||delta(r+1) - delta(r)|| / ||delta(r)||;  1 - cos")
   dist_LL = np.asarray(fp["distance"])
-  im = axes[1].imshow(dist_LL, vmin=0, cmap="magma")
-  axes[1].set_title("relative distance between limit states", fontsize=9)
+  im = axes[2].imshow(dist_LL, vmin=0, cmap="magma")
+  axes[2].set_title(f"distance of limit directions (margin {fp['margin']})", fontsize=9)
   layers = [str(x + 1) for x in range(len(dist_LL))]
-  axes[1].set_xticks(range(len(dist_LL)), layers)
-  axes[1].set_yticks(range(len(dist_LL)), layers)
-  axes[1].set_xlabel("layer")
-  fig.colorbar(im, ax=axes[1], shrink=0.8)
-  fig.suptitle(f"fixed points ({fp['kind']}), {split}, step {report['step']}")
+  axes[2].set_xticks(range(len(dist_LL)), layers)
+  axes[2].set_yticks(range(len(dist_LL)), layers)
+  axes[2].set_xlabel("layer")
+  fig.colorbar(im, ax=axes[2], shrink=0.8)
+  fig.suptitle(
+    f"fixed points ({fp['kind']}; {fp['share']:.0%} of {fp['tokens']} tokens "
+    f"below {fp['tol']}), {split}, step {report['step']}"
+  )
   return save(fig, path)
 
 
@@ -144,12 +177,18 @@ def attention(report: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
   axes[0].legend(fontsize=7, ncol=2)
   S = profile_LNS.shape[-1]
-  width = 0.8 / (L * N)
-  for i, (l, n) in enumerate((l, n) for l in range(L) for n in range(N)):
-    axes[2].bar(
-      np.arange(S) + i * width, profile_LNS[l, n], width, label=f"L{l + 1}H{n + 1}"
-    )
-  axes[2].set_xticks(np.arange(S) + 0.4 - width / 2, [str(s) for s in range(S)])
+  heads = [(l, n) for l in range(L) for n in range(N)]
+  if S > PROFILE_KEYS:  # text: one line per head over key positions
+    for l, n in heads:
+      axes[2].plot(np.arange(S), profile_LNS[l, n], lw=1, label=f"L{l + 1}H{n + 1}")
+    axes[2].set_yscale("log")
+  else:
+    width = 0.8 / len(heads)
+    for i, (l, n) in enumerate(heads):
+      axes[2].bar(
+        np.arange(S) + i * width, profile_LNS[l, n], width, label=f"L{l + 1}H{n + 1}"
+      )
+    axes[2].set_xticks(np.arange(S) + 0.4 - width / 2, [str(s) for s in range(S)])
   axes[2].set_xlabel("key position")
   axes[2].set_ylabel("share of attention mass (last iteration)")
   fig.suptitle(f"attention, {split}, step {report['step']}")
@@ -219,25 +258,25 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
       "converged at",
       "converged share",
       "period",
-      "last change",
-      "distance (cosine) to other layers",
+      "last change: read / raw / update / 1 - cos",
+      "distance to other layers",
     ]
     for split, fp in report[name].items():
-      for l, layer in enumerate(fp["layers"]):
+      for l, x in enumerate(fp["layers"]):
+        last = [x[k][-1] if x[k] else float("nan") for k in ("change", "raw", "update")]
+        last.append(1 - x["cosine"][-1] if x["cosine"] else float("nan"))
         apart = [
-          f"{fp['distance'][l][m]:.2f} ({fp['cosine'][l][m]:.2f})"
-          for m in range(len(fp["layers"]))
-          if m != l
+          f"{fp['distance'][l][m]:.2f}" for m in range(len(fp["layers"])) if m != l
         ]
         out.append(
           [
             split,
             fp["kind"],
             str(l + 1),
-            str(layer["converged_at"] or "-"),
-            f"{layer['converged_share']:.2f}",
-            str(layer["period"] or "-"),
-            f"{layer['change'][-1]:.1e}",
+            str(x["converged_at"] or "-"),
+            f"{x['converged_share']:.2f}",
+            str(x["period"] or "-"),
+            " / ".join(f"{v:.1e}" for v in last),
             ", ".join(apart) or "-",
           ]
         )
@@ -264,7 +303,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
               f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f}",
               f"{ent[-1, l, n]:.2f}",
               f"{tv[-1, l, n]:.1e}" if len(tv) else "-",
-              " ".join(f"{x:.2f}" for x in prof[l, n]),
+              _profile(prof[l, n]),
             ]
           )
   else:
@@ -291,6 +330,15 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
           ]
         )
   return head, out
+
+
+def _profile(p_S) -> str:
+  """The shares of the first keys (all of them up to PROFILE_KEYS)."""
+  cut = " ..." if len(p_S) > PROFILE_KEYS else ""
+  return " ".join(f"{x:.2f}" for x in p_S[:PROFILE_KEYS]) + cut
+
+
+PROFILE_KEYS = 8
 
 
 def table(name: str, report: dict) -> str:

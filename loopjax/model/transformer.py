@@ -90,9 +90,10 @@ class LoopedTransformer(nnx.Module):
     if self.cfg.injection == "add":
       return h_BTD + x_BTD
     if self.cfg.injection == "concat":
-      return (
-        jnp.concatenate([h_BTD, x_BTD], -1) @ self.adapter + self.adapter_b[None, None]
-      )
+      lead = (1,) * (h_BTD.ndim - 1)  # any leading axes (the analyses' stacks)
+      return jnp.concatenate(
+        [h_BTD, x_BTD], -1
+      ) @ self.adapter + self.adapter_b.reshape(*lead, -1)
     return h_BTD
 
   def core_step(self, h_BTD, x_BTD, with_probs: bool = False, segments_BT=None):

@@ -1,0 +1,88 @@
+"""The stages-of-inference figure, table and summary (`stages.py`'s results)."""
+
+from pathlib import Path
+
+import numpy as np
+
+from loopjax.analysis.figures import markdown, plt, save
+from loopjax.analysis.mechanistic_figures import main_result
+
+PANELS = (
+  ("sink_rate", "attention-sink rate", False),
+  ("top_share", "ColSum top share", False),
+  ("first_ratio", "first-token norm / median", True),
+  ("massive_ratio", "max |h| / median |h|", True),
+  ("entropy", "matrix entropy (normalized)", False),
+  ("lens_loss", "logit-lens loss (nats)", False),
+)
+
+
+def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
+  """Every statistic against effective depth in one column of panels; shaded
+  bands are the core's iterations (darker: within the trained R)."""
+  split, res = main_result(report, name)
+  rows = res["positions"]
+  x = np.arange(len(rows))
+  fig, axes = plt.subplots(
+    len(PANELS), 1, figsize=(min(max(8, len(rows) * 0.18), 24), 13), sharex=True
+  )
+  trained = report["train_depths"][-1]
+  for ax, (stat, label, log) in zip(axes, PANELS, strict=True):
+    y = np.asarray([np.nan if r[stat] is None else r[stat] for r in rows], float)
+    ax.plot(x, y, marker=".", lw=1)
+    for r in range(1, res["num_loops"] + 1):
+      at = [i for i, row in enumerate(rows) if row["label"].startswith(f"r{r} ")]
+      shade = 0.12 if r <= trained else 0.05
+      if r % 2:
+        ax.axvspan(at[0] - 0.5, at[-1] + 0.5, color="tab:blue", alpha=shade, lw=0)
+    ax.set_ylabel(label, fontsize=8)
+    if log:
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylim(-0.05, 1.05)  # a share of heads
+  step = max(1, len(rows) // 40)
+  axes[-1].set_xticks(
+    x[::step], [r["label"] for r in rows][::step], rotation=90, fontsize=7
+  )
+  axes[-1].set_xlabel("effective depth (embedding, prelude, iteration r layer l, coda)")
+  fig.suptitle(
+    f"stages of inference, {split} ({report['windows']} windows of "
+    f"{report['seq_len']}), step {report['step']}; shaded: odd iterations"
+  )
+  return [save(fig, out_dir / f"{name}.png")]
+
+
+def table(name: str, report: dict) -> str:
+  """One row per depth position, and the repetition (eta squared) per statistic."""
+  split, res = main_result(report, name)
+  stats = [p[0] for p in PANELS]
+  head = ["position", *stats]
+  body = [
+    [r["label"], *("-" if r[k] is None else f"{r[k]:.3g}" for k in stats)]
+    for r in res["positions"]
+  ]
+  rep = res["repetition"]
+  body.append(
+    ["repetition (eta^2)", *("-" if rep[k] is None else f"{rep[k]:.2f}" for k in stats)]
+  )
+  mem = res["memory"]
+  return (
+    markdown(head, body)
+    + f"\nSink threshold {res['threshold']}; {split}. Memory of the pass at batch "
+    f"{mem['batch']} and {mem['iterations']} iterations: "
+    f"{mem['temp_bytes'] / 2**20:.1f} MiB temporary; every attention weight "
+    f"stacked would take {mem['attention_all_iterations_bytes'] / 2**20:.1f} MiB "
+    f"(one iteration's: {mem['attention_one_iteration_bytes'] / 2**20:.1f} MiB).\n"
+  )
+
+
+def summary(name: str, report: dict) -> str:
+  _, res = main_result(report, name)
+  core = [r for r in res["positions"] if r["iteration"] and r["label"][0] == "r"]
+  best = max(core, key=lambda r: r["massive_ratio"])
+  rep = res["repetition"]["massive_ratio"]
+  return (
+    f"sink rate up to {max(r['sink_rate'] for r in core):.2f}, max/median |h| up to "
+    f"{best['massive_ratio']:.0f} ({best['label']}), repetition of it "
+    + ("-" if rep is None else f"{rep:.2f}")
+  )

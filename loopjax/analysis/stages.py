@@ -1,0 +1,174 @@
+"""Stages of inference along effective depth (MECH, section 5), on text.
+
+After every layer (embedding, prelude, each core layer of each iteration, coda)
+of a language model, per sequence:
+
+- attention sinks (Gu et al. 2025): a head's `sink` mass is the attention its
+  queries give the first token of their document (each query's own segment
+  start; the start's own query excluded), averaged over queries; the sink rate
+  is the share of heads whose mass, averaged over sequences, exceeds
+  `threshold`;
+- ColSum concentration: the largest share of a head's total attention one key
+  receives (`attention.colsum`);
+- massive activations (Sun et al. 2024): the first token's norm over the
+  median token norm, and the largest |activation| over the median |activation|;
+- the matrix-based entropy of the token representations (Queipo-de Llano et al.
+  2025, "compression valleys"): the Shannon entropy of the normalized
+  eigenvalues of Z^T Z (Z: the sequence's T x D states), over its largest
+  value log min(T, D); 1 = spread over every direction, 0 = one direction;
+- logit lens: the next-token loss of the model's final norm and unembedding
+  applied to the layer's output (`LoopedTransformer.logits`).
+
+`repetition` says how much of a statistic's variation across the core's
+positions (iterations 2..R) the layer index explains (eta squared): near 1, each
+iteration repeats the same profile over its layers.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import xlogy
+
+from loopjax import loss
+from loopjax.analysis import attention
+
+STATS = (
+  "lens_loss",
+  "first_ratio",
+  "massive_ratio",
+  "entropy",
+  "sink_rate",
+  "sink_mass",
+  "top_share",
+)
+
+
+def first_tokens(segments_BT):
+  """True at each document's first position in the window (and position 0)."""
+  start_BT = segments_BT[:, 1:] != segments_BT[:, :-1]
+  return jnp.concatenate([jnp.ones_like(start_BT[:, :1]), start_BT], 1)
+
+
+def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
+  """Per sequence and head (B, N): sink mass, ColSum top share and entropy;
+  and the normalized column sums (B, N, S)."""
+  probs = probs_BNTS.astype(jnp.float32)
+  queries_BT = (real_BT & ~first_BT).astype(jnp.float32)[:, None]
+  mass_BNT = (probs * first_BT[:, None, None, :]).sum(-1)
+  sink_BN = (mass_BNT * queries_BT).sum(-1) / jnp.maximum(queries_BT.sum(-1), 1.0)
+  p_BNS = attention.colsum(probs, real_BT.astype(jnp.float32))
+  return {
+    "sink": sink_BN,
+    "top_share": p_BNS.max(-1),
+    "entropy": -xlogy(p_BNS, p_BNS).sum(-1),
+  }, p_BNS
+
+
+def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
+  """Per sequence (B,): the residual-stream statistics of one layer's output."""
+  real_BT = batch["real"]
+  h = h_BTD.astype(jnp.float32)
+  norm_BT = jnp.linalg.norm(h, axis=-1)
+  others_BT = real_BT & ~first_BT
+  first_BT = first_BT & real_BT
+  abs_BF = jnp.where(real_BT[..., None], jnp.abs(h), jnp.nan).reshape(h.shape[0], -1)
+  z_BTD = h * real_BT[..., None]
+  lam_BD = jnp.clip(jnp.linalg.eigvalsh(jnp.einsum("btd,bte->bde", z_BTD, z_BTD)), 0)
+  p_BD = lam_BD / jnp.maximum(lam_BD.sum(-1, keepdims=True), 1e-30)
+  rank_B = jnp.minimum(real_BT.sum(-1), h.shape[-1]).astype(jnp.float32)
+  lens, _, tokens = loss.lm_row_sums(logits_fn, h_BTD, batch["targets"], batch["mask"])
+  return {
+    "first_norm": (norm_BT * first_BT).sum(-1) / jnp.maximum(first_BT.sum(-1), 1),
+    "median_norm": jnp.nanmedian(jnp.where(others_BT, norm_BT, jnp.nan), -1),
+    "max_abs": jnp.nanmax(abs_BF, -1),
+    "median_abs": jnp.nanmedian(abs_BF, -1),
+    "entropy": -xlogy(p_BD, p_BD).sum(-1) / jnp.log(jnp.maximum(rank_B, 2.0)),
+    "lens_loss": lens,
+    "tokens": tokens,
+  }
+
+
+def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
+  """The STATS of one depth position from its per-sequence values (numpy)."""
+  real = layer["tokens"] > 0
+  out = {
+    "lens_loss": float(layer["lens_loss"].sum() / layer["tokens"].sum()),
+    "first_ratio": float(
+      np.mean(layer["first_norm"][real] / layer["median_norm"][real])
+    ),
+    "massive_ratio": float(np.mean(layer["max_abs"][real] / layer["median_abs"][real])),
+    "entropy": float(np.mean(layer["entropy"][real])),
+  }
+  if heads is None:  # the embedding: no attention
+    return out | {k: None for k in ("sink_rate", "sink_mass", "top_share")}
+  sink_N = heads["sink"][real].mean(0)
+  return out | {
+    "sink_rate": float((sink_N > threshold).mean()),
+    "sink_mass": float(sink_N.mean()),
+    "top_share": float(heads["top_share"][real].mean()),
+  }
+
+
+def summarize(ex: dict, threshold: float) -> dict:
+  """Along effective depth: `positions` (label, iteration, layer) with every
+  STAT per position, and `repetition` (eta squared per STAT, None where the
+  block has one layer, fewer than 3 iterations were traced or the statistic is
+  constant)."""
+  R, L = ex["core"]["tokens"].shape[1:3]
+  positions = [
+    ("embed", 0, 0, ex["embed"], None),
+    *_group(ex, "prelude", 0),
+    *(
+      (
+        f"r{r + 1} l{l + 1}",
+        r + 1,
+        l + 1,
+        _at(ex["core"], r, l),
+        _at(ex["core_heads"], r, l),
+      )
+      for r in range(R)
+      for l in range(L)
+    ),
+    *_group(ex, "coda", R + 1),
+  ]
+  rows = [
+    {"label": lbl, "iteration": r, "layer": l} | position_summary(s, h, threshold)
+    for lbl, r, l, s, h in positions
+  ]
+  core = [x for x in rows if 2 <= x["iteration"] <= R and x["label"].startswith("r")]
+  return {
+    "threshold": threshold,
+    "num_loops": R,
+    "num_layers": L,
+    "positions": rows,
+    "repetition": {k: repetition(core, k, L) for k in STATS},
+  }
+
+
+def _at(tree, *i):
+  """Every leaf at index `i` after its sequence axis."""
+  return jax.tree.map(lambda a: a[(slice(None), *i)], tree)
+
+
+def _group(ex: dict, name: str, iteration: int) -> list[tuple]:
+  """The positions of the prelude's or coda's layers (none without layers)."""
+  if ex[name] is None:
+    return []
+  n = ex[name]["tokens"].shape[1]
+  heads = ex[f"{name}_heads"]
+  return [
+    (f"{name} {i + 1}", iteration, i + 1, _at(ex[name], i), _at(heads, i))
+    for i in range(n)
+  ]
+
+
+def repetition(core_rows: list[dict], stat: str, L: int) -> float | None:
+  """Eta squared of `stat` over the core positions grouped by layer."""
+  if L < 2 or len(core_rows) < 2 * L:
+    return None
+  m_RL = np.asarray([x[stat] for x in core_rows], float).reshape(-1, L)
+  total = ((m_RL - m_RL.mean()) ** 2).sum()
+  if not np.isfinite(total) or total <= 1e-12 * max(1.0, (m_RL**2).sum()):
+    return None
+  between = m_RL.shape[0] * ((m_RL.mean(0) - m_RL.mean()) ** 2).sum()
+  return float(between / total)

@@ -1,0 +1,104 @@
+"""`--mode=analyze` on a language model: fixed points, stages of inference and
+attention, from one streamed pass over validation windows (`depth_scan`).
+
+The first `analyze.lm_windows` validation windows (the documents held out
+whole, packed as the evaluation packs them) are run to `analyze.max_depth`
+iterations, `analyze.batch_size` windows at a time. Writes `fixed_points`,
+`stages` and `attention` as .json, .md and .png; `stages.json` also records
+the pass's compiled memory next to what stacking every attention weight
+would take.
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from loopjax.analysis import (
+  attention,
+  depth_scan,
+  fixed_points,
+  mechanistic_figures,
+  stage_figures,
+  stages,
+)
+from loopjax.data import lm
+from loopjax.state import Model, eval_key
+
+SPLIT = "validation"
+
+
+def batches(task, num_windows: int, batch_size: int):
+  """(batches, n): the first `num_windows` validation windows, the last batch
+  filled by repeating windows (cut from the results: the first n rows count)."""
+  n = min(num_windows, task.num_windows(SPLIT))
+  B = min(batch_size, n)
+  out = []
+  for start in range(0, n, B):
+    idx = np.resize(np.arange(start, min(start + B, n)), B)
+    batch = lm.windows(task.streams[SPLIT], idx, task.seq_len)
+    batch["real"] = np.ones(batch["inputs"].shape, bool)
+    out.append(batch)
+  return out, n
+
+
+@functools.partial(jax.jit, static_argnames=("depth",))
+def _scan(weights: Model, batch, key, *, depth: int):
+  return depth_scan.run(weights.module(), batch, depth, key)
+
+
+def memory(compiled, batch, depth: int, model_cfg) -> dict:
+  """The compiled pass's temporary and output bytes, and the float32 bytes of
+  one iteration's and of all iterations' attention weights for this batch."""
+  stats = compiled.memory_analysis()
+  B, T = batch["inputs"].shape
+  one = model_cfg.num_layers * B * model_cfg.num_heads * T * T * 4
+  return {
+    "batch": [B, T],
+    "iterations": depth,
+    "temp_bytes": int(stats.temp_size_in_bytes),
+    "output_bytes": int(stats.output_size_in_bytes),
+    "attention_one_iteration_bytes": one,
+    "attention_all_iterations_bytes": one * depth,
+  }
+
+
+def run(config, task, model: Model, step: int, out_dir) -> list[Path]:
+  """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`."""
+  a, out_dir = config.analyze, Path(out_dir)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  key, depth = eval_key(config), a.max_depth
+  probe, n = batches(task, a.lm_windows, a.batch_size)
+  compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
+  mem = memory(compiled, probe[0], depth, config.model)
+  outs = jax.device_get([compiled(model, b, key) for b in probe])
+  ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
+  head = {
+    "step": step,
+    "fingerprint": task.fingerprint,
+    "train_depths": [config.model.num_loops],
+    "main_split": SPLIT,
+    "windows": n,
+    "seq_len": task.seq_len,
+  }
+  results = {
+    "fixed_points": fixed_points.summarize(
+      ex["fixed_points"], a.tol, a.fp_share, a.cycle_margin
+    ),
+    "stages": stages.summarize(ex, a.sink_threshold) | {"memory": mem},
+    "attention": attention.summarize(ex["attention"])
+    | {"sink": ex["attention"]["sink"].mean(0).tolist()},
+  }
+  written = []
+  for name in a.names:
+    report = head | {name: {SPLIT: results[name]}}
+    view = stage_figures if name == "stages" else mechanistic_figures
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2))
+    table = out_dir / f"{name}.md"
+    table.write_text(view.table(name, report))
+    written += [path, table, *view.plot(name, report, out_dir)]
+    print(f"{name}: " + view.summary(name, report))
+  return written

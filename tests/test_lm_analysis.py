@@ -1,0 +1,161 @@
+"""A language model's analyses: stage statistics on hand-built cases, the
+streamed pass against the full trace, its memory, and the written outputs."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import lm as lm_experiment
+from loopjax import analyze_lm
+from loopjax.analysis import LM_ANALYSES, attention, depth_scan, fixed_points, stages
+from loopjax.data.lm import LmData
+from loopjax.state import Model, build_model
+
+V, T = 64, 24
+
+
+def model(**overrides):
+  c = lm_experiment.get_config("tiny").model
+  c.update({"d_model": 16, "num_heads": 2, "num_layers": 2, "num_loops": 3} | overrides)
+  return build_model(c, V, T, seed=0)
+
+
+def lm_batch(B=2, T=T, seed=0, split_at=10):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, V, (B, T + 1)).astype(np.int32)
+  segments = np.zeros((B, T + 1), np.int32)
+  segments[:, split_at:] = 1  # a second document from split_at on
+  return {
+    "inputs": tokens[:, :-1],
+    "targets": tokens[:, 1:],
+    "segments": segments[:, :-1],
+    "mask": (segments[:, 1:] == segments[:, :-1]).astype(np.float32),
+    "real": np.ones((B, T), bool),
+  }
+
+
+def test_sink_mass_is_attention_on_each_documents_first_token():
+  seg = jnp.asarray([[0, 0, 0, 1, 1]])
+  first = stages.first_tokens(seg)
+  assert first.tolist() == [[True, False, False, True, False]]
+  A = np.zeros((1, 1, 5, 5), np.float32)
+  A[0, 0, 0, 0] = 1.0
+  A[0, 0, 1, :2] = [0.5, 0.5]
+  A[0, 0, 2, :3] = [0.8, 0.1, 0.1]
+  A[0, 0, 3, 3] = 1.0
+  A[0, 0, 4, 3:] = [0.2, 0.8]
+  heads, p_BNS = stages.head_stats(jnp.asarray(A), jnp.ones((1, 5), bool), first)
+  # Queries 1, 2 (document 1) and 4 (document 2); the starts' own rows excluded.
+  np.testing.assert_allclose(heads["sink"], [[(0.5 + 0.8 + 0.2) / 3]], rtol=1e-6)
+  np.testing.assert_allclose(p_BNS[0, 0], A[0, 0].sum(0) / 5, rtol=1e-6)
+  np.testing.assert_allclose(heads["top_share"], [[2.3 / 5]], rtol=1e-6)
+
+
+def test_layer_statistics_of_known_states():
+  D = 4
+  batch = lm_batch(B=1, T=4, split_at=99)
+  first = stages.first_tokens(jnp.asarray(batch["segments"]))
+  logits = lambda h: jnp.zeros((*h.shape[:-1], V))  # uniform: loss log V
+  # One direction, the first token 10x the others: entropy 0.
+  h = np.zeros((1, 4, D), np.float32)
+  h[0, :, 0] = [10.0, 1.0, 1.0, 1.0]
+  s = jax.device_get(stages.layer_stats(jnp.asarray(h), batch, first, logits))
+  np.testing.assert_allclose(s["entropy"], [0.0], atol=1e-6)
+  np.testing.assert_allclose(s["first_norm"] / s["median_norm"], [10.0], rtol=1e-6)
+  np.testing.assert_allclose(s["lens_loss"] / s["tokens"], [np.log(V)], rtol=1e-5)
+  # One massive activation among ones: max / median |h| = 10.
+  h = np.ones((1, 4, D), np.float32)
+  h[0, 0, 0] = 10.0
+  s = jax.device_get(stages.layer_stats(jnp.asarray(h), batch, first, logits))
+  np.testing.assert_allclose(s["max_abs"] / s["median_abs"], [10.0], rtol=1e-6)
+  np.testing.assert_allclose(
+    s["first_norm"] / s["median_norm"], [103**0.5 / 2], rtol=1e-6
+  )
+  # Orthogonal tokens of equal norm: every direction used, entropy 1.
+  s = jax.device_get(stages.layer_stats(jnp.eye(4)[None] * 3.0, batch, first, logits))
+  np.testing.assert_allclose(s["entropy"], [1.0], rtol=1e-5)
+
+
+def test_repetition_is_the_share_of_variation_the_layer_explains():
+  rows = lambda m_RL: [{"x": v} for v in np.asarray(m_RL, float).ravel()]
+  assert stages.repetition(rows([[1, 5], [1, 5], [1, 5]]), "x", 2) == pytest.approx(1)
+  assert stages.repetition(rows([[1, 1], [2, 2], [3, 3]]), "x", 2) == pytest.approx(0)
+  assert stages.repetition(rows([[1, 1], [1, 1]]), "x", 2) is None  # constant
+  assert stages.repetition(rows([[1], [2]]), "x", 1) is None  # one layer
+
+
+@pytest.mark.parametrize("injection", ["add", "concat"])
+def test_the_streamed_pass_equals_the_full_trace(injection):
+  """The scan's per-iteration reductions give what the stacked trace gives:
+  fixed points (read states included) and attention, token by token."""
+  m = model(injection=injection, num_prelude=1, num_coda=1, norm_type="layernorm")
+  batch = lm_batch()
+  R = 5
+  streamed = jax.device_get(jax.jit(lambda b: depth_scan.run(m, b, R))(batch))
+  trace = jax.jit(lambda b: m.trace(b["inputs"], R, segments_BT=b["segments"]))(batch)
+  full_batch = {"inputs": batch["inputs"]}
+  full = jax.device_get(fixed_points.per_example(m, trace, full_batch, pad_id=-1))
+  for k in (*fixed_points.CURVES, "lag", "distance"):
+    np.testing.assert_allclose(
+      streamed["fixed_points"][k], full[k], atol=2e-5, err_msg=k
+    )
+  att = jax.device_get(attention.per_example(trace, full_batch, pad_id=-1))
+  for k in ("top_share", "entropy", "stability"):
+    np.testing.assert_allclose(streamed["attention"][k], att[k], atol=2e-5, err_msg=k)
+  np.testing.assert_allclose(
+    streamed["attention"]["profile"][:, 0], att["profile"][:, -1], atol=1e-6
+  )
+  assert streamed["core"]["tokens"].shape == (2, R, 2)
+  assert (
+    streamed["prelude"]["tokens"].shape == streamed["coda"]["tokens"].shape == (2, 1)
+  )
+
+
+def test_memory_does_not_grow_with_iterations():
+  """A random LM at T = 128: the pass's temporary memory at R = 32 is that at
+  R = 2 (a few iterations' attention weights: the carried previous one, the
+  current one, their difference), far below the (R, L, B, N, T, T) stack."""
+  m = model(num_heads=4)  # rope: any length
+  batch = lm_batch(B=4, T=128, split_at=60)
+  cfg = m.cfg
+  mem = {}
+  for R in (2, 32):
+    compiled = jax.jit(lambda b, R=R: depth_scan.run(m, b, R)).lower(batch).compile()
+    mem[R] = analyze_lm.memory(compiled, batch, R, cfg)
+  assert mem[32]["temp_bytes"] < 1.25 * mem[2]["temp_bytes"]
+  assert mem[32]["temp_bytes"] < 8 * mem[32]["attention_one_iteration_bytes"]
+  assert mem[32]["temp_bytes"] < mem[32]["attention_all_iterations_bytes"] / 4
+
+
+def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
+  config = lm_experiment.get_config("tiny")
+  config.model.update(num_layers=2, num_prelude=1)
+  config.analyze.update(max_depth=4, lm_windows=3, batch_size=2)
+  rng = np.random.default_rng(0)
+  n = 4 * config.data.seq_len + 1
+  stream = {
+    "tokens": rng.integers(3, 300, n).astype(np.int32),
+    "segments": np.repeat(np.arange(n // 20 + 1), 20)[:n].astype(np.int32),
+  }
+  task = LmData("", 300, 0, 1, 2, config.data.seq_len, {"validation": stream}, "fp")
+  graphdef, params = nnx.split(build_model(config.model, 300, config.data.seq_len, 0))
+  paths = analyze_lm.run(config, task, Model(graphdef, params), 7, tmp_path)
+  assert sorted(p.name for p in paths) == sorted(
+    f"{n}.{ext}" for n in LM_ANALYSES for ext in ("json", "md", "png")
+  )
+  st = json.loads((tmp_path / "stages.json").read_text())
+  assert st["step"] == 7 and st["windows"] == 3
+  rows = st["stages"]["validation"]["positions"]
+  labels = [r["label"] for r in rows]
+  assert labels[:2] == ["embed", "prelude 1"] and labels[-1] == "r4 l2"
+  assert len(rows) == 2 + 4 * 2
+  fp = json.loads((tmp_path / "fixed_points.json").read_text())["fixed_points"]
+  assert fp["validation"]["tokens"] == 3 * config.data.seq_len
+  assert len(fp["validation"]["layers"][0]["change"]) == 3
+  att = json.loads((tmp_path / "attention.json").read_text())["attention"]
+  assert np.asarray(att["validation"]["sink"]).shape == (4, 2, config.model.num_heads)
+  assert "MiB temporary" in (tmp_path / "stages.md").read_text()
