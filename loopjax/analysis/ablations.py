@@ -22,7 +22,7 @@ COLUMNS = (
   "acc @R",
   "acc @2R",
   "acc @4R",
-  "fixed points (converged at)",
+  "fixed points (converged at; read change < 1e-2 from)",
   "ColSum profile (last iteration)",
   "top share",
   "bridge MRR @relation",
@@ -54,6 +54,9 @@ def row(run: Path) -> dict:
     res = main_result(fp, "fixed_points")[1]
     out["kind"] = res["kind"]
     out["converged_at"] = [x["converged_at"] for x in res["layers"]]
+    out["below_1e-2"] = [
+      x.get("converged_at_tol", {}).get("0.01") for x in res["layers"]
+    ]
     out["change"] = res["layers"][-1]["change"]
   att = _load(run, "attention")
   if att:
@@ -78,7 +81,7 @@ def table(rows: list[dict]) -> str:
       r["run"],
       f"{r['L']} x {r['R']}",
       *(_num(acc.get(k)) for k in (1, 2, 4)),
-      f"{r['kind']} ({', '.join(str(c or '-') for c in conv)})" if conv else "-",
+      fixed_cell(r) if conv else "-",
       _profile(r["profile"]) if "profile" in r else "-",
       _num(r.get("top_share")),
       _num(r.get("bridge_mrr")),
@@ -95,6 +98,12 @@ def _profile(shares) -> str:
   while len(cells) > 1 and cells[-1] == "0.00":
     cells.pop()
   return " ".join(cells)
+
+
+def fixed_cell(r: dict) -> str:
+  """kind (converged at, per layer; the read change below 1e-2 from, per layer)."""
+  per_layer = lambda xs: ", ".join(str(c or "-") for c in xs)
+  return f"{r['kind']} ({per_layer(r['converged_at'])}; {per_layer(r['below_1e-2'])})"
 
 
 def _num(x) -> str:

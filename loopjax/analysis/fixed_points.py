@@ -15,7 +15,8 @@ the input injected first for the block's last layer):
 
 A token has converged from the first iteration after which its `change` stays
 below `tol`; a layer converges at the iteration by which a share `share` of the
-real tokens have. Its period is the smallest p at which that share of tokens'
+real tokens have (`converged_at_tol`: the same at each tolerance of LADDER).
+Its period is the smallest p at which that share of tokens'
 read states equal (within `tol`) their own p iterations back. The limit states
 of different layers are compared by the distance of their unit directions
 ||u_l - u_m|| (u = h / ||h||, per token, median over tokens): every layer
@@ -28,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_PERIOD = 4
+# Besides `tol`, where each layer reaches these (the tables' coarser view).
+LADDER = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3)
 CURVES = ("change", "cosine", "update", "raw")
 
 
@@ -149,7 +152,7 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
   layers = []
   for l in range(L):
     at_N = converged_from(tok["change"][:, :, l], tol)
-    reached = np.sort(at_N)[int(np.ceil(share * len(at_N))) - 1]
+    reached = _reached(at_N, share)
     periods = [
       p + 1
       for p in range(tok["lag"].shape[1])
@@ -159,7 +162,11 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
       {k: np.median(tok[k][:, :, l], 0).tolist() for k in CURVES}
       | {
         "change_p90": np.quantile(tok["change"][:, :, l], 0.9, 0).tolist(),
-        "converged_at": None if np.isinf(reached) else int(reached),
+        "converged_at": reached,
+        "converged_at_tol": {
+          str(t): _reached(converged_from(tok["change"][:, :, l], t), share)
+          for t in LADDER
+        },
         "converged_share": float(np.isfinite(at_N).mean()),
         "period": periods[0] if periods else None,
       }
@@ -174,6 +181,12 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
     "layers": layers,
     "distance": distance_LL.tolist(),
   }
+
+
+def _reached(at_N: np.ndarray, share: float) -> int | None:
+  """The iteration by which `share` of the tokens have converged, or None."""
+  r = np.sort(at_N)[int(np.ceil(share * len(at_N))) - 1]
+  return None if np.isinf(r) else int(r)
 
 
 def kind(layers: list[dict], distance_LL: np.ndarray, margin: float) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loopjax.analysis import ablations
 from loopjax.analysis.figures import markdown, plt, save
 from loopjax.metrics import read_jsonl, wall_times
 
@@ -28,7 +29,7 @@ COLUMNS = (
   "@2R",
   "@4R",
   "best (iterations)",
-  "fixed point (converged at)",
+  "fixed point (converged at; read change < 1e-2 from)",
   "sink rate: iter 1 / R",
   "max/median |h|: iter 1 / R",
   "first-token norm ratio: iter 1 / R",
@@ -75,10 +76,9 @@ def row(run: Path) -> dict:
   )
   fp = _analysis(run, "fixed_points")
   if fp:
-    out["kind"], out["converged_at"] = (
-      fp["kind"],
-      [x["converged_at"] for x in fp["layers"]],
-    )
+    out["kind"] = fp["kind"]
+    out["converged_at"] = [x["converged_at"] for x in fp["layers"]]
+    out["below_1e-2"] = [x["converged_at_tol"]["0.01"] for x in fp["layers"]]
     out["change"] = fp["layers"][-1]["change"]
   st = _analysis(run, "stages")
   if st:
@@ -112,7 +112,7 @@ def table(rows: list[dict]) -> str:
         f"{r['L']} x {R}",
         *(_num(loss.get(k * R), ".3f") for k in (1, 2, 4)),
         f"{loss[best]:.3f} ({best})" if best else "-",
-        f"{r['kind']} ({', '.join(str(c or '-') for c in conv)})" if conv else "-",
+        ablations.fixed_cell(r) if conv else "-",
         *(
           " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
           for stat, fmt in (

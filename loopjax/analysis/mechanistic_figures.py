@@ -258,6 +258,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
       "converged at",
       "converged share",
       "period",
+      "read change below 1e-1 / 3e-2 / 1e-2 / 3e-3 / 1e-3 from",
       "last change: read / raw / update / 1 - cos",
       "distance to other layers",
     ]
@@ -276,6 +277,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
             str(x["converged_at"] or "-"),
             f"{x['converged_share']:.2f}",
             str(x["period"] or "-"),
+            ladder(x),
             " / ".join(f"{v:.1e}" for v in last),
             ", ".join(apart) or "-",
           ]
@@ -330,6 +332,11 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
           ]
         )
   return head, out
+
+
+def ladder(layer: dict) -> str:
+  """The iterations a layer's read change falls below each LADDER tolerance."""
+  return " / ".join(str(r or "-") for r in layer.get("converged_at_tol", {}).values())
 
 
 def _profile(p_S) -> str:
