@@ -11,7 +11,14 @@ from flax import nnx
 
 from experiments import lm as lm_experiment
 from loopjax import analyze_lm
-from loopjax.analysis import LM_ANALYSES, attention, depth_scan, fixed_points, stages
+from loopjax.analysis import (
+  LM_ANALYSES,
+  attention,
+  depth_scan,
+  fixed_points,
+  lm_study,
+  stages,
+)
 from loopjax.data.lm import LmData
 from loopjax.state import Model, build_model
 
@@ -132,6 +139,7 @@ def test_memory_does_not_grow_with_iterations():
 
 
 def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
+  """The three outputs of an LM run, and the study's report row built from them."""
   config = lm_experiment.get_config("tiny")
   config.model.update(num_layers=2, num_prelude=1)
   config.analyze.update(max_depth=4, lm_windows=3, batch_size=2)
@@ -143,19 +151,31 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   }
   task = LmData("", 300, 0, 1, 2, config.data.seq_len, {"validation": stream}, "fp")
   graphdef, params = nnx.split(build_model(config.model, 300, config.data.seq_len, 0))
-  paths = analyze_lm.run(config, task, Model(graphdef, params), 7, tmp_path)
+  out = tmp_path / "run" / "analysis"
+  paths = analyze_lm.run(config, task, Model(graphdef, params), 7, out)
   assert sorted(p.name for p in paths) == sorted(
     f"{n}.{ext}" for n in LM_ANALYSES for ext in ("json", "md", "png")
   )
-  st = json.loads((tmp_path / "stages.json").read_text())
+  st = json.loads((out / "stages.json").read_text())
   assert st["step"] == 7 and st["windows"] == 3
   rows = st["stages"]["validation"]["positions"]
   labels = [r["label"] for r in rows]
   assert labels[:2] == ["embed", "prelude 1"] and labels[-1] == "r4 l2"
   assert len(rows) == 2 + 4 * 2
-  fp = json.loads((tmp_path / "fixed_points.json").read_text())["fixed_points"]
+  fp = json.loads((out / "fixed_points.json").read_text())["fixed_points"]
   assert fp["validation"]["tokens"] == 3 * config.data.seq_len
   assert len(fp["validation"]["layers"][0]["change"]) == 3
-  att = json.loads((tmp_path / "attention.json").read_text())["attention"]
+  att = json.loads((out / "attention.json").read_text())["attention"]
   assert np.asarray(att["validation"]["sink"]).shape == (4, 2, config.model.num_heads)
-  assert "MiB temporary" in (tmp_path / "stages.md").read_text()
+  assert "MiB temporary" in (out / "stages.md").read_text()
+  # The study's table: loss by iterations from the last evaluation record.
+  run = out.parent
+  (run / "config.json").write_text(json.dumps(config.to_dict()))
+  record = {"step": 20, "eval/validation/loss": 5.0, "eval/validation/loss@4": 5.5}
+  (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+  md, png = lm_study.write(tmp_path, [run])
+  assert png.exists()
+  cells = md.read_text().splitlines()[2].split(" | ")
+  assert cells[1:5] == ["add", "pre", "2 x 2", "5.000"]
+  assert cells[5:8] == ["5.500", "-", "5.000 (2)"]  # @2R, @4R (not run), best
+  assert cells[8].startswith(fp["validation"]["kind"] + " (")
