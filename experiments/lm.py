@@ -11,8 +11,8 @@ a GPU or TPU user starts from, bf16).
 
 The from-scratch study (MECH): `sweep("study")` varies one factor at a time
 from `study` (injection add, pre-norm, 2 x 4): input injection, norm placement
-and block size L x R at equal effective depth 8; each run is analyzed to 4R
-and evaluated to 32 iterations, 4x the largest R (docs/results/lm_study.md):
+and block size L x R at equal effective depth 8; each run is analyzed and
+evaluated to 32 iterations, 4x the largest R (docs/results/lm_study.md):
 
   python launch/sweep.py --config=experiments/lm.py:study --sweep=study \
       --root=runs/lm_study --analyze --parallel=2

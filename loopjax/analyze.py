@@ -17,6 +17,8 @@ import jax
 
 from loopjax import analyze_lm, data, evaluate
 from loopjax.analysis import (
+  ANALYSES,
+  LM_ANALYSES,
   MECHANISTIC,
   activations,
   attention,
@@ -28,7 +30,7 @@ from loopjax.analysis import (
   overthinking,
 )
 from loopjax.data import kg, pipeline
-from loopjax.errors import first_line
+from loopjax.errors import ConfigError, first_line
 from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 
@@ -52,9 +54,22 @@ def main_split(config) -> str:
 def analyze(config, workdir, step: int | None = None) -> list[Path]:
   """`--mode=analyze`: `analyze.names` on a checkpoint (default: the newest),
   written under `workdir/analysis`."""
+  check_names(config)
   workdir = Path(workdir)
   task, model, step = evaluate.restore_model(config, workdir, step)
   return run(config, workdir, task, model, step, workdir / "analysis")
+
+
+def check_names(config) -> None:
+  """`analyze.names` must be the task family's: a language model's
+  (LM_ANALYSES) read text, the others the knowledge-graph probes."""
+  lm = config.data.task == "lm"
+  allowed = LM_ANALYSES if lm else ANALYSES
+  if wrong := [n for n in config.analyze.names if n not in allowed]:
+    raise ConfigError(
+      f"analyze.names: for data.task {config.data.task!r} each must be one of "
+      f"{', '.join(allowed)}; got {wrong[0]!r}"
+    )
 
 
 def run(config, workdir, task, model: Model, step: int, out_dir, phases=True):

@@ -25,6 +25,7 @@ from loopjax.analysis import (
   stages,
 )
 from loopjax.data import lm
+from loopjax.errors import ConfigError
 from loopjax.state import Model, eval_key
 
 SPLIT = "validation"
@@ -34,6 +35,11 @@ def batches(task, num_windows: int, batch_size: int):
   """(batches, n): the first `num_windows` validation windows, the last batch
   filled by repeating windows (cut from the results: the first n rows count)."""
   n = min(num_windows, task.num_windows(SPLIT))
+  if n == 0:
+    raise ConfigError(
+      f"data.valid_fraction: the validation split holds no window of "
+      f"{task.seq_len} tokens to analyze"
+    )
   B = min(batch_size, n)
   out = []
   for start in range(0, n, B):

@@ -335,12 +335,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "train.backprop_depth: needs model.injection add or concat (else the "
       "embeddings get no gradient through the core); got injection 'none'"
     )
-  allowed = LM_ANALYSES if d.task == "lm" else ANALYSES
-  if wrong := [n for n in a.names if n not in allowed]:
-    raise ConfigError(
-      f"analyze.names: for data.task {d.task!r} each must be one of "
-      f"{', '.join(allowed)}; got {wrong[0]!r}"
-    )
   if a.max_depth < 2 and any(n in MECHANISTIC + LM_ANALYSES for n in a.names):
     raise ConfigError(
       f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)}, stages (they "

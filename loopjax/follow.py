@@ -43,6 +43,8 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   has finished."""
   wd, given, started = Workdir(workdir), config is not None, time.time()
   config = _wait_for_config(wd, config, poll_s)
+  if analyses:
+    analyze.check_names(config)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
   with wd.exclusive("follow"):
     task = data.load(config.data)

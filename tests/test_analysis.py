@@ -103,6 +103,11 @@ def test_logit_lens_ranks_under_a_known_unembedding():
   assert logit_lens.summarize({}, np.array([-1])) == {"examples": 0}
 
 
+def unit_rms(h):
+  """The scale-free reading of a stream without a model: unit RMS per token."""
+  return h / jnp.sqrt((h * h).mean(-1, keepdims=True))
+
+
 def _states(layers_RL):
   """(R, L, B=1, T=2, D) hidden states from a list of (L, D)-vectors per
   iteration, the same at both tokens."""
@@ -112,7 +117,7 @@ def _states(layers_RL):
 
 def _fixed(layers_RL, margin=0.01):
   real = np.ones((1, 2), bool)
-  ex = fixed_points.from_stream(_states(layers_RL), fixed_points.unit_rms, real)
+  ex = fixed_points.from_stream(_states(layers_RL), unit_rms, real)
   return ex, fixed_points.summarize(jax.device_get(ex), 1e-3, 0.9, margin)
 
 
@@ -151,10 +156,13 @@ def test_a_growing_stream_whose_direction_is_fixed_has_converged():
   np.testing.assert_allclose(s["layers"][0]["raw"][-1], 1 / 15, rtol=1e-5)
   np.testing.assert_allclose(s["layers"][0]["update"], 0, atol=1e-6)
   np.testing.assert_allclose(s["layers"][0]["cosine"], 1, atol=1e-6)
+  assert set(s["layers"][0]["converged_at_tol"].values()) == {1}
   # A fixed offset: the direction converges like 1/r^2, the update at once.
   _, s = _fixed([[r * v + w, w] for r in range(1, 65)])
   change = np.asarray(s["layers"][0]["change"])
   assert change[0] > 0.1 and change[-1] < 1e-3
+  ladder = list(s["layers"][0]["converged_at_tol"].values())  # 1e-1 .. 1e-3
+  assert ladder == sorted(ladder) and ladder[0] < ladder[-1] <= 64
   np.testing.assert_allclose(s["layers"][0]["update"], 0, atol=1e-5)
 
 
@@ -166,9 +174,7 @@ def test_convergence_is_decided_per_token():
   h = np.zeros((R, 1, 1, 10, D), np.float32)
   h[:, :, :, :9] = 100.0 * rng.normal(size=D)  # 9 large tokens, settled
   h[:, :, :, 9] = rng.normal(size=(R, 1, 1, D))  # one small token, wandering
-  ex = fixed_points.from_stream(
-    jnp.asarray(h), fixed_points.unit_rms, np.ones((1, 10), bool)
-  )
+  ex = fixed_points.from_stream(jnp.asarray(h), unit_rms, np.ones((1, 10), bool))
   ex = jax.device_get(ex)
   assert fixed_points.summarize(ex, 1e-3, 0.9, 0.01)["layers"][0]["converged_at"] == 1
   s = fixed_points.summarize(ex, 1e-3, 0.95, 0.01)
@@ -177,7 +183,7 @@ def test_convergence_is_decided_per_token():
   # The padding token is not counted.
   real = np.ones((1, 10), bool)
   real[0, 9] = False
-  ex = fixed_points.from_stream(jnp.asarray(h), fixed_points.unit_rms, real)
+  ex = fixed_points.from_stream(jnp.asarray(h), unit_rms, real)
   s = fixed_points.summarize(jax.device_get(ex), 1e-3, 1.0, 0.01)
   assert s["layers"][0]["converged_at"] == 1
 

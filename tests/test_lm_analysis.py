@@ -95,20 +95,30 @@ def test_repetition_is_the_share_of_variation_the_layer_explains():
   assert stages.repetition(rows([[1], [2]]), "x", 1) is None  # one layer
 
 
-@pytest.mark.parametrize("injection", ["add", "concat"])
-def test_the_streamed_pass_equals_the_full_trace(injection):
+@pytest.mark.parametrize(
+  "injection, norm_position, state_norm",
+  [("add", "pre", False), ("concat", "post", False), ("add", "residual", True)],
+)
+def test_the_streamed_pass_equals_the_full_trace(injection, norm_position, state_norm):
   """The scan's per-iteration reductions give what the stacked trace gives:
-  fixed points (read states included) and attention, token by token."""
-  m = model(injection=injection, num_prelude=1, num_coda=1, norm_type="layernorm")
+  fixed points and attention token by token, the stage statistics per layer."""
+  m = model(
+    injection=injection,
+    norm_position=norm_position,
+    state_norm=state_norm,
+    num_prelude=1,
+    num_coda=1,
+    norm_type="layernorm",
+  )
   batch = lm_batch()
   R = 5
   streamed = jax.device_get(jax.jit(lambda b: depth_scan.run(m, b, R))(batch))
   trace = jax.jit(lambda b: m.trace(b["inputs"], R, segments_BT=b["segments"]))(batch)
   full_batch = {"inputs": batch["inputs"]}
   full = jax.device_get(fixed_points.per_example(m, trace, full_batch, pad_id=-1))
-  for k in (*fixed_points.CURVES, "lag", "distance"):
-    np.testing.assert_allclose(
-      streamed["fixed_points"][k], full[k], atol=2e-5, err_msg=k
+  for k in (*fixed_points.CURVES, "lag", "distance"):  # update: a difference of
+    np.testing.assert_allclose(  # differences, float32 noise amplified
+      streamed["fixed_points"][k], full[k], rtol=1e-3, atol=2e-5, err_msg=k
     )
   att = jax.device_get(attention.per_example(trace, full_batch, pad_id=-1))
   for k in ("top_share", "entropy", "stability"):
@@ -116,10 +126,68 @@ def test_the_streamed_pass_equals_the_full_trace(injection):
   np.testing.assert_allclose(
     streamed["attention"]["profile"][:, 0], att["profile"][:, -1], atol=1e-6
   )
-  assert streamed["core"]["tokens"].shape == (2, R, 2)
+  first = stages.first_tokens(jnp.asarray(batch["segments"]))
+  for r, l in ((0, 0), (R - 1, 1)):
+    h_BTD = trace["core"]["hidden"][r, l]
+    want = jax.device_get(stages.layer_stats(h_BTD, batch, first, m.logits))
+    for k in ("lens_loss", "entropy", "max_abs", "first_norm", "median_norm"):
+      np.testing.assert_allclose(streamed["core"][k][:, r, l], want[k], rtol=1e-4)
   assert (
     streamed["prelude"]["tokens"].shape == streamed["coda"]["tokens"].shape == (2, 1)
   )
+
+
+def test_the_next_layer_reads_its_own_input():
+  """Layer l's output is read by layer l+1's input norm; the last layer's by the
+  first's, after the state norm and the injection; post-norm reads h as is."""
+  m = model(norm_position="residual", state_norm=True, norm_type="layernorm")
+  x = jax.random.normal(jax.random.key(0), (1, 4, 16))
+  h_LBTD = jax.random.normal(jax.random.key(1), (2, 1, 4, 16))
+  got = fixed_points.next_layer_reads(m, x)(h_LBTD)
+  np.testing.assert_allclose(got[0], m.core[1].norm1(h_LBTD[0]), rtol=1e-6)
+  want = m.core[0].norm1(m.inject(m.state_norm(h_LBTD[1]), x))
+  np.testing.assert_allclose(got[1], want, rtol=1e-6)
+  post = model(norm_position="post")
+  np.testing.assert_allclose(
+    fixed_points.next_layer_reads(post, x)(h_LBTD)[0], h_LBTD[0]
+  )
+
+
+def test_stages_summary_orders_depth_and_measures_repetition():
+  """Positions run embedding, iteration x layer, and repetition reads the
+  layer's share of the variation from iteration 2 on."""
+  B, R, L, N = 2, 3, 2, 1
+  ones = np.ones(B)
+
+  def layer(loss):
+    return {"lens_loss": loss * ones, "tokens": ones, "first_norm": 2 * ones,
+            "median_norm": ones, "max_abs": 3 * ones, "median_abs": ones,
+            "entropy": 0.5 * ones}  # fmt: skip
+
+  # Iteration 1 a transient (loss 9); from 2 on, layer 1 -> 4 and layer 2 -> 1.
+  loss_RL = np.array([[9.0, 9.0], [4.0, 1.0], [4.0, 1.0]])
+  core = {k: np.stack([np.stack([layer(x)[k] for x in row], 1) for row in loss_RL], 1)
+          for k in layer(0)}  # fmt: skip
+  heads = {"sink": np.full((B, R, L, N), 0.5), "top_share": np.full((B, R, L, N), 0.2)}
+  heads["sink"][:, 2, 1] = 0.1  # layer 2 of iteration 3: below the threshold
+  ex = {"embed": layer(7.0), "prelude": None, "prelude_heads": None, "coda": None,
+        "coda_heads": None, "core": core, "core_heads": heads}  # fmt: skip
+  s = stages.summarize(ex, threshold=0.3)
+  rows = s["positions"]
+  assert [r["label"] for r in rows] == [
+    "embed",
+    "r1 l1",
+    "r1 l2",
+    "r2 l1",
+    "r2 l2",
+    "r3 l1",
+    "r3 l2",
+  ]
+  assert [r["lens_loss"] for r in rows] == [7.0, 9.0, 9.0, 4.0, 1.0, 4.0, 1.0]
+  assert rows[0]["sink_rate"] is None and rows[1]["first_ratio"] == 2.0
+  assert [r["sink_rate"] for r in rows[1:]] == [1, 1, 1, 1, 1, 0]
+  assert s["repetition"]["lens_loss"] == pytest.approx(1.0)
+  assert s["repetition"]["massive_ratio"] is None  # constant
 
 
 def test_memory_does_not_grow_with_iterations():
@@ -178,4 +246,5 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   cells = md.read_text().splitlines()[2].split(" | ")
   assert cells[1:5] == ["add", "pre", "2 x 2", "5.000"]
   assert cells[5:8] == ["5.500", "-", "5.000 (2)"]  # @2R, @4R (not run), best
-  assert cells[8].startswith(fp["validation"]["kind"] + " (")
+  change = fp["validation"]["layers"][-1]["change"][-1]
+  assert cells[8] == f"{fp['validation']['kind']} (-, -); {change:.1e} at r = 3 -> 4"

@@ -9,8 +9,10 @@ the input injected first for the block's last layer):
 
 - `change`: ||read(h(r+1)) - read(h(r))|| / ||read(h(r))||, the verdict's metric;
 - `cosine`: cos(h(r), h(r+1)) (MECH's and Huginn's measure);
-- `update`: ||delta(r+1) - delta(r)|| / ||delta(r)|| with delta(r) = h(r+1) - h(r)
-  (0: the block adds the same update every iteration);
+- `update`: ||delta(r) - delta(r-1)|| / ||delta(r-1)|| with delta(r) =
+  h(r+1) - h(r): how constant the update is (0: the same update every
+  iteration, a stream growing linearly). Not a convergence test: a state
+  approaching its limit geometrically keeps it at |1 - rho|;
 - `raw`: the raw relative change above, for comparison.
 
 A token has converged from the first iteration after which its `change` stays
@@ -55,12 +57,6 @@ def next_layer_reads(model, x_BTD):
   return read
 
 
-def unit_rms(h_LBTD):
-  """The scale-free reading (unit RMS per token): tests and hand-built streams."""
-  h = h_LBTD.astype(jnp.float32)
-  return h * jnp.reciprocal(jnp.sqrt((h * h).mean(-1, keepdims=True)) + 1e-30)
-
-
 def _rel(a, b):
   """||a - b|| / ||b|| over the last axis."""
   return jnp.linalg.norm(a - b, axis=-1) / (jnp.linalg.norm(b, axis=-1) + 1e-30)
@@ -72,9 +68,9 @@ def _unit(h):
 
 def step_metrics(h_prev, h_cur, read_prev, read_cur, delta_prev):
   """Per token (..., L, B, T): change, cosine, raw between two successive
-  iterations' layer outputs, and update (delta_prev: the previous iteration's
-  update; its first entry is meaningless and dropped by `per_example`);
-  also this update, (..., L, B, T, D)."""
+  iterations' layer outputs, and update against `delta_prev`, the previous
+  pair's update (the callers drop the entries without one); also this
+  update, (..., L, B, T, D)."""
   h_prev, h_cur = h_prev.astype(jnp.float32), h_cur.astype(jnp.float32)
   delta = h_cur - h_prev
   cos = (_unit(h_prev) * _unit(h_cur)).sum(-1)
@@ -108,11 +104,13 @@ def per_example(model, trace: dict, batch, pad_id: int) -> dict:
 def from_stream(h_RLBTD, read, real_BT) -> dict:
   """Per token, from every layer's output at every iteration: the curves (B, T,
   R-1, L) (`update`: (B, T, R-2, L)), lag (B, T, P, L), distance (B, T, L, L),
-  and the real-token mask `real` (B, T). `read`: `next_layer_reads`, or
-  `unit_rms` for a stream without a model."""
+  and the real-token mask `real` (B, T). `read`: `next_layer_reads` (or any
+  map of (..., L, B, T, D) states, for a stream without a model). Computed
+  in float32, as the streamed pass computes it."""
+  h_RLBTD = h_RLBTD.astype(jnp.float32)
   r_RLBTD = read(h_RLBTD)
   R = h_RLBTD.shape[0]
-  delta_RLBTD = (h_RLBTD[1:] - h_RLBTD[:-1]).astype(jnp.float32)
+  delta_RLBTD = h_RLBTD[1:] - h_RLBTD[:-1]
   curves, _ = step_metrics(
     h_RLBTD[:-1],
     h_RLBTD[1:],

@@ -30,9 +30,9 @@ COLUMNS = (
   "@4R",
   "best (iterations)",
   "fixed point (converged at; last layer's read change at the last iteration)",
-  "sink rate: iter 1 / R",
-  "max/median |h|: iter 1 / R",
-  "first-token norm ratio: iter 1 / R",
+  "sink rate: iter 1 / R (max over layers)",
+  "max/median |h|: iter 1 / R (max over layers)",
+  "first-token norm ratio: iter 1 / R (max over layers)",
   "stages repeat (eta^2: massive, sink)",
   "wall",
 )
@@ -84,8 +84,8 @@ def row(run: Path) -> dict:
     core = [p for p in st["positions"] if p["label"][0] == "r"]
     out["core"] = core
 
-    def at(r, stat):  # the largest over iteration r's layers
-      return max(p[stat] for p in core if p["iteration"] == r)
+    def at(r, stat):  # the largest over iteration r's layers (None: not traced)
+      return max((p[stat] for p in core if p["iteration"] == r), default=None)
 
     for stat in ("sink_rate", "massive_ratio", "first_ratio"):
       out[stat] = (at(1, stat), at(R, stat))

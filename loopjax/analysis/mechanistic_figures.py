@@ -129,17 +129,17 @@ def fixed_points(report: dict, path: Path) -> Path:
       ls=":",
       label=f"layer {l + 1}: 1 - cosine",
     )
+  axes[0].axhline(fp["tol"], color="gray", ls=":", lw=1)  # the verdict's metric
   for ax in axes[:2]:
-    ax.axhline(fp["tol"], color="gray", ls=":", lw=1)
     for d in report["train_depths"]:
       ax.axvline(d, color="gray", ls="--", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("iteration r (dashed: training depth, dotted: tol)")
+    ax.set_xlabel("iteration r (dashed: training depth)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-  axes[0].set_ylabel("relative change, iteration r to r + 1")
-  axes[1].set_ylabel("||delta(r+1) - delta(r)|| / ||delta(r)||;  1 - cos")
+  axes[0].set_ylabel("relative change, iteration r to r + 1 (dotted: tol)")
+  axes[1].set_ylabel("||delta(r) - delta(r-1)|| / ||delta(r-1)||;  1 - cos")
   dist_LL = np.asarray(fp["distance"])
   im = axes[2].imshow(dist_LL, vmin=0, cmap="magma")
   axes[2].set_title(f"distance of limit directions (margin {fp['margin']})", fontsize=9)
@@ -264,8 +264,8 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
     ]
     for split, fp in report[name].items():
       for l, x in enumerate(fp["layers"]):
-        last = [x[k][-1] if x[k] else float("nan") for k in ("change", "raw", "update")]
-        last.append(1 - x["cosine"][-1] if x["cosine"] else float("nan"))
+        last = [(x.get(k) or [np.nan])[-1] for k in ("change", "raw", "update")]
+        last.append(1 - (x.get("cosine") or [np.nan])[-1])
         apart = [
           f"{fp['distance'][l][m]:.2f}" for m in range(len(fp["layers"])) if m != l
         ]

@@ -19,7 +19,7 @@ PANELS = (
 
 def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
   """Every statistic against effective depth in one column of panels; shaded
-  bands are the core's iterations (darker: within the trained R)."""
+  bands mark every other iteration of the core (darker: within the trained R)."""
   split, res = main_result(report, name)
   rows = res["positions"]
   x = np.arange(len(rows))

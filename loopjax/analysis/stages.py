@@ -20,8 +20,9 @@ of a language model, per sequence:
   applied to the layer's output (`LoopedTransformer.logits`).
 
 `repetition` says how much of a statistic's variation across the core's
-positions (iterations 2..R) the layer index explains (eta squared): near 1, each
-iteration repeats the same profile over its layers.
+positions (iterations 2 to the last analyzed, past the trained R too) the layer
+index explains (eta squared): near 1, each iteration repeats the same profile
+over its layers; the first iteration, a transient, is left out.
 """
 
 import jax
