@@ -218,6 +218,9 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
     "segments": np.repeat(np.arange(n // 20 + 1), 20)[:n].astype(np.int32),
   }
   task = LmData("", 300, 0, 1, 2, config.data.seq_len, {"validation": stream}, "fp")
+  # Windows start at documents' first tokens (every 20th) and do not overlap.
+  starts = analyze_lm.document_starts(stream, config.data.seq_len, 10)
+  assert starts.tolist() == [0, 40, 80]
   graphdef, params = nnx.split(build_model(config.model, 300, config.data.seq_len, 0))
   out = tmp_path / "run" / "analysis"
   paths = analyze_lm.run(config, task, Model(graphdef, params), 7, out)

@@ -65,7 +65,12 @@ class LmData:
 
 def windows(stream: dict, idx_B: np.ndarray, seq_len: int) -> dict:
   """The batch of windows `idx_B`: inputs, targets, their loss mask, segments."""
-  at_BT = idx_B[:, None] * seq_len + np.arange(seq_len + 1)[None]
+  return windows_at(stream, idx_B * seq_len, seq_len)
+
+
+def windows_at(stream: dict, start_B: np.ndarray, seq_len: int) -> dict:
+  """`windows` of seq_len tokens starting at any positions `start_B`."""
+  at_BT = start_B[:, None] + np.arange(seq_len + 1)[None]
   tokens, segments = stream["tokens"][at_BT], stream["segments"][at_BT]
   return {
     "inputs": tokens[:, :-1],
