@@ -2,9 +2,10 @@
 it goes, so memory does not grow with the number of iterations.
 
 `LoopedTransformer.trace` stacks every layer's output and attention weights,
-(R, L, B, N, T, T) of them: at 512 tokens and R = 32 that is gigabytes. Here a
-`lax.scan` over iterations calls the model's own pieces (`inject`, the core
-blocks with their weights, `end_iteration`, `logits`) and keeps, besides the
+(R, L, B, N, T, T) of them: at 512 tokens and R = 32 that is gigabytes. Here
+`recurrence.unroll` (the scan training runs, one iteration per step)
+iterates the model's own pieces (`inject`, the core blocks with their weights,
+`end_iteration`, `logits`) and keeps, besides the
 state, what the next iteration's statistics compare against: the previous
 iteration's layer outputs, their reads and updates, the reads P iterations
 back and the previous iteration's attention weights. Each iteration emits only
@@ -16,6 +17,7 @@ weights, whatever R is (`memory` measures it).
 import jax
 import jax.numpy as jnp
 
+from loopjax import recurrence
 from loopjax.analysis import fixed_points, stages
 
 
@@ -69,8 +71,8 @@ def run(model, batch, num_loops: int, key=None) -> dict:
     "colsum": zeros(L, B, N, T),
   }
 
-  def iteration(carry, _):
-    h_BTD, prev = carry
+  def iteration(carry):
+    h_BTD, prev, _ = carry
     h_BTD, core = _group(m.core, m.inject(h_BTD, x_BTD), batch, first_BT, m.logits)
     read_L = read(core["hidden"])
     curves, delta = fixed_points.step_metrics(
@@ -92,9 +94,19 @@ def run(model, batch, num_loops: int, key=None) -> dict:
       "probs": core["probs"],
       "colsum": core["colsum"],
     }
-    return (m.end_iteration(h_BTD), new), ys
+    return m.end_iteration(h_BTD), new, ys
 
-  (h_BTD, last), ys = jax.lax.scan(iteration, (h_BTD, prev0), None, length=num_loops)
+  # The iteration's statistics ride in the carry (zeros before the first), read
+  # out after every iteration by the same `recurrence.unroll` as training.
+  ys0 = jax.eval_shape(iteration, (h_BTD, prev0, None))[2]
+  ys0 = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ys0)
+  (h_BTD, last, _), ys = recurrence.unroll(
+    iteration,
+    (h_BTD, prev0, ys0),
+    num_loops,
+    scan_unroll=1,  # unrolled groups would hold several iterations' weights
+    readout=lambda carry: carry[2],
+  )
   _, coda = _group(m.coda, h_BTD, batch, first_BT, m.logits)
   for name, group in (("prelude", prelude), ("coda", coda)):  # (P, B, ...)
     out[name] = _batch_first(group["layer"], 1)
