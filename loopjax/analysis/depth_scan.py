@@ -3,15 +3,15 @@ it goes, so memory does not grow with the number of iterations.
 
 `LoopedTransformer.trace` stacks every layer's output and attention weights,
 (R, L, B, N, T, T) of them: at 512 tokens and R = 32 that is gigabytes. Here
-`recurrence.unroll` (the scan training runs, one iteration per step)
-iterates the model's own pieces (`inject`, the core blocks with their weights,
-`end_iteration`, `logits`) and keeps, besides the
-state, what the next iteration's statistics compare against: the previous
-iteration's layer outputs, their reads and updates, the reads P iterations
-back and the previous iteration's attention weights. Each iteration emits only
-per-sequence and per-token scalars (`stages.layer_stats`, `stages.head_stats`,
-`fixed_points.step_metrics`), so the peak holds two iterations' attention
-weights, whatever R is (`memory` measures it).
+`recurrence.unroll` (the scan training runs, one iteration per step) iterates
+the model's own pieces (`inject`, the core blocks with their weights,
+`end_iteration`, `logits`) and keeps, besides the state, what the next
+iteration's statistics compare against: the previous iteration's layer
+outputs, their reads and updates, the reads P iterations back and the previous
+iteration's attention weights. Each iteration emits only per-sequence and
+per-token scalars (`stages.layer_stats`, `stages.head_stats`,
+`fixed_points.step_metrics`), so the peak holds a few iterations' attention
+weights, whatever R is (`analyze_lm.memory` measures it).
 """
 
 import jax
