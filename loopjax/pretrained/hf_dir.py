@@ -1,0 +1,65 @@
+"""A Hugging Face model directory read without torch: config.json and the
+tensors of `model.safetensors` or of the shards its index lists.
+
+Tensors are memory-mapped by the `safetensors` package (numpy, bf16 through
+ml_dtypes) and read one at a time, so loading never holds a float32 copy of
+the whole model. Every problem is a one-line ConfigError naming the file or
+the tensor.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from loopjax.errors import ConfigError
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HfDir:
+  """`config` (config.json as a dict) and `tensor(name, shape)`."""
+
+  def __init__(self, path):
+    self.path = Path(path)
+    if not (self.path / "config.json").is_file():
+      raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
+    try:
+      self.config = json.loads((self.path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{self.path / 'config.json'}: not JSON ({e})") from e
+    self.files = self._weight_map()
+    self._open: dict[str, object] = {}
+
+  def _weight_map(self) -> dict[str, str]:
+    """{tensor name: file name}."""
+    if (self.path / INDEX).is_file():
+      files = json.loads((self.path / INDEX).read_text())["weight_map"]
+      for f in sorted(set(files.values())):
+        if not (self.path / f).is_file():
+          raise ConfigError(f"{self.path / INDEX}: lists {f}, which is missing")
+      return files
+    if (self.path / SINGLE).is_file():
+      with safe_open(self.path / SINGLE, framework="np") as f:
+        return dict.fromkeys(f.keys(), SINGLE)
+    raise ConfigError(f"model.hf_dir: {self.path} has no {SINGLE} or {INDEX}")
+
+  def names(self) -> set[str]:
+    return set(self.files)
+
+  def tensor(self, name: str, shape: tuple) -> np.ndarray:
+    """The tensor `name`, which must have `shape` (its stored dtype)."""
+    if name not in self.files:
+      raise ConfigError(f"{self.path}: tensor {name} is missing")
+    file = self.files[name]
+    if file not in self._open:
+      self._open[file] = safe_open(self.path / file, framework="np")
+    x = self._open[file].get_tensor(name)
+    if tuple(x.shape) != tuple(shape):
+      raise ConfigError(
+        f"{self.path / file}: tensor {name} has shape {tuple(x.shape)}, "
+        f"the config needs {tuple(shape)}"
+      )
+    return x

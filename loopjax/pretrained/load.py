@@ -1,0 +1,37 @@
+"""A local Hugging Face directory as a loopjax model: its family from
+config.json, the model config, and the params mapped by name."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from loopjax.errors import ConfigError
+from loopjax.pretrained import llama
+from loopjax.pretrained.hf_dir import HfDir
+from loopjax.state import Model, build_model
+
+FAMILIES = {"llama": llama}  # config.json model_type -> family module
+
+
+def load(path, base, split=None, num_loops: int = 1, dtype: str = "float32"):
+  """(model config, Model) of the directory `path`; `base`: the `model`
+  section the family's fields are set on; `split`, `num_loops`: see the
+  family's `model_config`."""
+  hf = HfDir(path)
+  kind = hf.config.get("model_type")
+  if kind not in FAMILIES:
+    raise ConfigError(
+      f"{hf.path / 'config.json'}: model_type must be one of "
+      f"{', '.join(FAMILIES)}; got {kind!r}"
+    )
+  family = FAMILIES[kind]
+  cfg, vocab_size, max_len = family.model_config(hf.config, base, split, num_loops)
+  abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
+  graphdef, state = nnx.split(abstract)
+  pure = family.params(hf, cfg, vocab_size)
+  want = jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(state))
+  got = jax.tree.map(lambda a: tuple(a.shape), pure)
+  if want != got:  # a mapping bug, not bad input: the family and model disagree
+    raise ValueError(f"{kind}: params do not match the model: {got} vs {want}")
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
+  return cfg, Model(graphdef, state, dtype)

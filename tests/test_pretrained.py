@@ -1,0 +1,118 @@
+"""Pretrained Hugging Face directories against their reference implementation:
+tiny random checkpoints with transformers' own outputs (tests/fixtures/hf,
+made by tests/fixtures/hf/make.py), loaded without torch."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from loopjax import config as config_lib
+from loopjax.errors import ConfigError
+from loopjax.pretrained.load import load
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def reference(name):
+  return np.load(FIXTURES / name / "reference.npz")
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_tied"])
+def test_llama_matches_transformers_layer_by_layer(name):
+  """Grouped-query and full attention, untied and tied heads: every layer's
+  hidden states and the logits equal LlamaForCausalLM's (float32)."""
+  cfg, model = load(FIXTURES / name, config_lib.base().model)
+  ref = reference(name)
+  m = model.module()
+  np.testing.assert_allclose(m(ref["ids"], None), ref["logits"], atol=1e-4)
+  hidden_LBTD = np.asarray(m.trace(ref["ids"], 1)["core"]["hidden"][0])
+  np.testing.assert_allclose(hidden_LBTD[:-1], ref["hidden"], atol=1e-4)
+  assert (cfg.num_layers, cfg.num_loops, cfg.injection) == (3, 1, "none")
+
+
+def test_a_layer_split_is_the_same_model_once_and_a_looped_one_after():
+  """prelude / core / coda = 1 / 1 / 1 at R = 1 is the feedforward model; R = 3
+  applies the middle layer three times."""
+  ref = reference("llama_gqa")
+  cfg, model = load(FIXTURES / "llama_gqa", config_lib.base().model, split=(1, 1, 1))
+  assert (cfg.num_prelude, cfg.num_layers, cfg.num_coda) == (1, 1, 1)
+  np.testing.assert_allclose(model.module()(ref["ids"], None), ref["logits"], atol=1e-4)
+  looped = model.module()(ref["ids"], None, num_loops=3)
+  assert np.isfinite(looped).all() and not np.allclose(looped, ref["logits"], atol=1e-2)
+
+
+def test_sharded_checkpoints_load_through_their_index(tmp_path):
+  tensors = load_file(FIXTURES / "llama_gqa" / "model.safetensors")
+  names = sorted(tensors)
+  files = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+  shards = {files[0]: names[::2], files[1]: names[1::2]}
+  for file, part in shards.items():
+    save_file({n: tensors[n] for n in part}, tmp_path / file)
+  index = {"weight_map": {n: f for f, part in shards.items() for n in part}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  shutil.copy(FIXTURES / "llama_gqa" / "config.json", tmp_path)
+  _, model = load(tmp_path, config_lib.base().model)
+  ref = reference("llama_gqa")
+  np.testing.assert_allclose(model.module()(ref["ids"], None), ref["logits"], atol=1e-4)
+  (tmp_path / "model-00002-of-00002.safetensors").unlink()
+  with pytest.raises(
+    ConfigError, match="lists model-00002-of-00002.safetensors, which is missing"
+  ):
+    load(tmp_path, config_lib.base().model)
+
+
+def _copy(tmp_path, edit_config=None, edit_tensors=None):
+  out = tmp_path / "model"
+  shutil.copytree(FIXTURES / "llama_gqa", out)
+  if edit_config:
+    hf = json.loads((out / "config.json").read_text())
+    edit_config(hf)
+    (out / "config.json").write_text(json.dumps(hf))
+  if edit_tensors:
+    tensors = load_file(out / "model.safetensors")
+    edit_tensors(tensors)
+    save_file(tensors, out / "model.safetensors")
+  return out
+
+
+LAYER_3_Q = "model.layers.3.self_attn.q_proj.weight"
+BAD = [
+  (lambda hf: hf.update(model_type="gpt2"), None, "model_type must be one of llama"),
+  (lambda hf: hf.update(rope_scaling={"type": "llama3"}), None, "rope_scaling must be"),
+  (lambda hf: hf.update(num_hidden_layers=4), None, f"tensor {LAYER_3_Q} is missing"),
+  (None, lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
+  (None, lambda t: t.update(extra=np.zeros(2, np.float32)), "unexpected tensor extra"),
+  (
+    None,
+    lambda t: t.update({"model.norm.weight": np.ones(31, np.float32)}),
+    "tensor model.norm.weight has shape (31,), the config needs (32,)",
+  ),
+]
+
+
+@pytest.mark.parametrize("edit_config, edit_tensors, message", BAD)
+def test_bad_directories_name_the_field_or_tensor(
+  tmp_path, edit_config, edit_tensors, message
+):
+  path = _copy(tmp_path, edit_config, edit_tensors)
+  with pytest.raises(
+    ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
+  ):
+    load(path, config_lib.base().model)
+
+
+def test_missing_files_and_splits_that_do_not_add_up(tmp_path):
+  with pytest.raises(ConfigError, match="has no config.json"):
+    load(tmp_path, config_lib.base().model)
+  path = _copy(tmp_path)
+  with pytest.raises(ConfigError, match="must add up to the model's 3 layers"):
+    load(path, config_lib.base().model, split=(1, 1, 2))
+  (path / "model.safetensors").unlink()
+  with pytest.raises(
+    ConfigError, match="has no model.safetensors or model.safetensors.index.json"
+  ):
+    load(path, config_lib.base().model)
