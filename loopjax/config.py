@@ -20,7 +20,7 @@ ENUMS = {
   "data.task": ("composition", "chains", "lm"),
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
-  "model.norm_position": ("pre", "sandwich", "residual", "post"),
+  "model.norm_position": ("pre", "sandwich", "residual", "post", "res_post"),
   "model.mlp_type": ("gelu", "swiglu"),
   "model.rope_pairing": ("half", "interleaved"),
   "model.norm_type": ("layernorm", "rmsnorm"),
@@ -97,6 +97,7 @@ def base() -> ml_collections.ConfigDict:
     norm_type="layernorm",
     norm_eps=1e-5,
     state_norm=False,  # normalize the carried state after each iteration (Ouro)
+    qk_norm=False,  # normalize queries and keys before RoPE (OLMo 2)
     init_state="embedding",
     init_std=0.02,  # projections (and an untied unembedding, the concat adapter)
     embed_init_std=0.02,  # token and learned position embeddings

@@ -38,12 +38,13 @@ CURVES = ("change", "cosine", "update", "raw")
 
 def next_layer_reads(model, x_BTD):
   """read(h_LBTD) -> (..., L, B, T, D): each core layer's output as the layer
-  after it reads it (its input norm; none for post-norm blocks, which read the
-  stream as it is); the last layer's is read by the first after injection."""
+  after it reads it (its input norm; none for post-norm and res_post blocks,
+  which read the stream as it is); the last layer's is read by the first
+  after injection."""
   core = list(model.core)
 
   def norm1(block, h):
-    return h if block.position == "post" else block.norm1(h)
+    return h if block.position in ("post", "res_post") else block.norm1(h)
 
   def last(h):  # any leading axes: the input broadcast to them
     x = jnp.broadcast_to(x_BTD, h.shape)

@@ -84,6 +84,10 @@ class Attention(nnx.Module):
     K, hd = cfg.num_kv_heads or N, d // N
     self.rotary = cfg.pos_encoding == "rope"
     self.rope = dict(base=cfg.rope_theta, pairing=cfg.rope_pairing)
+    # OLMo 2: all heads' queries (and keys) normalized together, before RoPE.
+    if cfg.qk_norm:
+      self.q_norm = Norm(N * hd, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps)
+      self.k_norm = Norm(K * hd, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps)
     normal = nnx.initializers.normal(cfg.init_std)
     if K == N:  # one fused projection
       self.wqkv = param(rngs, normal, (d, 3, N, hd), ("embed", None, "heads", "kv"))
@@ -114,6 +118,9 @@ class Attention(nnx.Module):
       q_BTNH = (x_MD @ self.wq.reshape(D, N * H)).reshape(B, T, N, H)
       kv_BT2KH = (x_MD @ self.wkv.reshape(D, 2 * K * H)).reshape(B, T, 2, K, H)
       k_BTKH, v_BTKH = kv_BT2KH[:, :, 0], kv_BT2KH[:, :, 1]
+    if hasattr(self, "q_norm"):
+      q_BTNH = self.q_norm(q_BTNH.reshape(B, T, -1)).reshape(q_BTNH.shape)
+      k_BTKH = self.k_norm(k_BTKH.reshape(B, T, -1)).reshape(k_BTKH.shape)
     if self.rotary:
       q_BTNH = rope(q_BTNH, offset=offset, **self.rope)
       k_BTKH = rope(k_BTKH, offset=offset, **self.rope)
@@ -267,7 +274,8 @@ class Block(nnx.Module):
   """One transformer layer; `position` places the norms: "pre" (GPT-2,
   Llama), "sandwich" (each sublayer's output normalized too: Gemma-2, Ouro),
   "residual" (pre-norm, and the residual stream normalized after each add:
-  Huginn), "post" (the original Transformer)."""
+  Huginn), "post" (the original Transformer), "res_post" (each sublayer's
+  output normalized before it joins the stream, no input norm: OLMo 2)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, kind = cfg.d_model, cfg.norm_type
@@ -297,6 +305,10 @@ class Block(nnx.Module):
       a_BTD, extra = attn(x_BTD)
       x_BTD = self.norm1(x_BTD + a_BTD)
       return self.norm2(x_BTD + self.mlp(x_BTD)), extra
+    if self.position == "res_post":
+      a_BTD, extra = attn(x_BTD)
+      x_BTD = x_BTD + self.norm1(a_BTD)
+      return x_BTD + self.norm2(self.mlp(x_BTD)), extra
     a_BTD, extra = attn(self.norm1(x_BTD))
     if self.position == "sandwich":
       a_BTD = self.norm1_out(a_BTD)

@@ -1,4 +1,5 @@
-"""Llama (transformers' `LlamaForCausalLM`) as a LoopedTransformer.
+"""Llama and OLMo 2 (transformers' `LlamaForCausalLM`, `Olmo2ForCausalLM`) as
+a LoopedTransformer.
 
 A feedforward Llama of n layers is the looped model with every layer in the
 core, applied once (R = 1, no injection): the baseline MECH compares looped
@@ -11,7 +12,11 @@ The mapping, by name: q/k/v/o projections (out, in) -> wq (D, N, H), wkv (D,
 -> w_in (D, 2, F); down -> w_out (F, D); input / post-attention norms -> norm1
 / norm2; the final norm; lm_head -> unembed, or the embedding where tied.
 Llama's rotary embedding rotates dimension i with i + H/2 (`rope_pairing`
-"half"), so no per-head permutation is needed.
+"half"), so no per-head permutation is needed. OLMo 2 differs in two places
+(`LAYOUTS`): each sublayer's output is normalized before it joins the residual
+stream, with no input norm (`norm_position` "res_post": post-attention /
+post-feedforward norms -> norm1 / norm2), and queries and keys are normalized
+across heads before RoPE (`qk_norm`: q_norm / k_norm).
 """
 
 import ml_collections
@@ -19,7 +24,21 @@ import numpy as np
 
 from loopjax.errors import ConfigError
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+# model_type -> (architecture, norm_position, the two norms' names, qk_norm)
+LAYOUTS = {
+  "llama": (
+    "LlamaForCausalLM",
+    "pre",
+    ("input_layernorm", "post_attention_layernorm"),
+    False,
+  ),
+  "olmo2": (
+    "Olmo2ForCausalLM",
+    "res_post",
+    ("post_attention_layernorm", "post_feedforward_layernorm"),
+    True,
+  ),
+}
 # config.json fields loopjax's Llama reads as these values only.
 FIXED = {
   "hidden_act": "silu",
@@ -33,11 +52,12 @@ FIXED = {
 def model_config(hf: dict, base, split=None, num_loops: int = 1):
   """(loopjax `model` config, vocab size, max length) for config.json `hf`,
   from `base` (a `model` section)."""
-  arch = hf.get("architectures") or [hf.get("model_type")]
-  if arch[0] not in ARCHITECTURES:
+  want, norm_position, _, qk_norm = LAYOUTS[hf["model_type"]]
+  arch = (hf.get("architectures") or [want])[0]
+  if arch != want:
     raise ConfigError(
-      f"config.json: architectures must be one of {', '.join(ARCHITECTURES)}; "
-      f"got {arch[0]!r}"
+      f"config.json: architectures must be [{want!r}] for model_type "
+      f"{hf['model_type']!r}; got {arch!r}"
     )
   for field, value in FIXED.items():
     if hf.get(field, value) != value:
@@ -67,7 +87,8 @@ def model_config(hf: dict, base, split=None, num_loops: int = 1):
     mlp_type="swiglu",
     mlp_hidden=hf["intermediate_size"],
     norm_type="rmsnorm",
-    norm_position="pre",
+    norm_position=norm_position,
+    qk_norm=qk_norm,
     norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     pos_encoding="rope",
     rope_theta=float(hf.get("rope_theta", 10_000.0)),
@@ -88,6 +109,7 @@ def model_config(hf: dict, base, split=None, num_loops: int = 1):
 def params(hf_dir, cfg, vocab_size: int) -> dict:
   """The LoopedTransformer's params (a pure dict, float32) from `hf_dir`'s
   tensors; a tensor left over is an error, as a missing one is."""
+  norms = LAYOUTS[hf_dir.config["model_type"]][2]
   D, N = cfg.d_model, cfg.num_heads
   K, H, F = cfg.num_kv_heads or N, D // N, cfg.mlp_hidden
   used = set()
@@ -103,6 +125,9 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
     v = get(at + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H)
     o = get(at + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D)
     attn = {"wo": o, "bo": np.zeros(D, np.float32)}
+    if cfg.qk_norm:
+      attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (N * H,))}
+      attn["k_norm"] = {"scale": get(at + "self_attn.k_norm.weight", (K * H,))}
     if K == N:
       attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": np.zeros((3, N, H), np.float32)}
     else:
@@ -115,8 +140,8 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
         "w_in": np.stack([gate, up], 1),
         "w_out": get(at + "mlp.down_proj.weight", (D, F)).T,
       },
-      "norm1": {"scale": get(at + "input_layernorm.weight", (D,))},
-      "norm2": {"scale": get(at + "post_attention_layernorm.weight", (D,))},
+      "norm1": {"scale": get(at + f"{norms[0]}.weight", (D,))},
+      "norm2": {"scale": get(at + f"{norms[1]}.weight", (D,))},
     }
 
   layers = [layer(i) for i in range(cfg.num_prelude + cfg.num_layers + cfg.num_coda)]

@@ -10,7 +10,8 @@ from loopjax.pretrained import llama
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.state import Model, build_model
 
-FAMILIES = {"llama": llama}  # config.json model_type -> family module
+# config.json model_type -> family module
+FAMILIES = {"llama": llama, "olmo2": llama}
 
 
 def load(path, base, split=None, num_loops: int = 1, dtype: str = "float32"):
