@@ -24,7 +24,7 @@ ENUMS = {
   "model.mlp_type": ("gelu", "swiglu"),
   "model.rope_pairing": ("half", "interleaved"),
   "model.norm_type": ("layernorm", "rmsnorm"),
-  "model.init_state": ("embedding", "zeros", "random"),
+  "model.init_state": ("embedding", "zeros", "random", "trunc_normal"),
   "model.remat": ("none", "full", "dots"),
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),
@@ -99,6 +99,8 @@ def base() -> ml_collections.ConfigDict:
     state_norm=False,  # normalize the carried state after each iteration (Ouro)
     qk_norm=False,  # normalize queries and keys before RoPE (OLMo 2)
     init_state="embedding",
+    init_state_std=1.0,  # "trunc_normal": N(0, std^2) cut at 3 std (Huginn)
+    coda_norm=False,  # the final norm also on the state entering the coda (Huginn)
     init_std=0.02,  # projections (and an untied unembedding, the concat adapter)
     embed_init_std=0.02,  # token and learned position embeddings
     out_init_scale=1.0,  # attention and MLP output projections x this (0: zero)
@@ -265,6 +267,7 @@ _BOUNDS = {
   "model.norm_eps": (lambda v: 0 < v < 1, "must be in (0, 1)"),
   "model.rope_theta": (lambda v: v > 1 and math.isfinite(v), "must be > 1"),
   "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
+  "model.init_state_std": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "train.eps": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
   "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),

@@ -35,6 +35,37 @@ def test_llama_and_olmo2_match_transformers_layer_by_layer(name):
   assert (cfg.num_layers, cfg.num_loops, cfg.injection) == (3, 1, "none")
 
 
+@pytest.mark.parametrize("steps", [3, 5])
+def test_huginn_matches_its_reference_code(steps):
+  """Huginn's layout (prelude, sandwich blocks, adapter injection, qk bias,
+  interleaved RoPE, the final norm before and after the coda) at R = 3 and 5
+  from a zero first state: logits and the latent state entering the coda."""
+  ref = reference("huginn")
+  cfg, model = load(FIXTURES / "huginn", config_lib.base().model,
+                    overrides={"init_state": "zeros"})  # fmt: skip
+  assert (cfg.num_prelude, cfg.num_layers, cfg.num_coda, cfg.num_loops) == (1, 2, 1, 4)
+  m = model.module()
+  np.testing.assert_allclose(
+    m(ref["ids"], None, num_loops=steps), ref[f"logits_{steps}"], atol=1e-4
+  )
+  last_BTD = m.trace(ref["ids"], steps)["core"]["hidden"][-1, -1]
+  np.testing.assert_allclose(m.coda_in(last_BTD), ref[f"latent_{steps}"], atol=1e-4)
+
+
+def test_huginns_first_state_is_its_truncated_normal():
+  """std sqrt(2 / 5d) x sqrt(d), cut at 3 std; a new draw per key."""
+  import jax
+
+  cfg, model = load(FIXTURES / "huginn", config_lib.base().model)
+  m = model.module()
+  x = np.zeros((4, 64, cfg.d_model), np.float32)
+  z = np.asarray(m.initial_state(x, jax.random.key(0)))
+  std = (2 / 5) ** 0.5
+  assert abs(z.std() / (0.986 * std) - 1) < 0.05  # a 3-sigma cut: 0.986 std
+  assert np.abs(z).max() <= 3 * std + 1e-6
+  assert not np.allclose(z, m.initial_state(x, jax.random.key(1)))
+
+
 def test_a_layer_split_is_the_same_model_once_and_a_looped_one_after():
   """prelude / core / coda = 1 / 1 / 1 at R = 1 is the feedforward model; R = 3
   applies the middle layer three times."""
@@ -104,6 +135,8 @@ def test_bad_directories_name_the_field_or_tensor(
 
 
 def test_missing_files_and_splits_that_do_not_add_up(tmp_path):
+  with pytest.raises(ConfigError, match="Huginn's prelude, core and coda are its own"):
+    load(FIXTURES / "huginn", config_lib.base().model, split=(1, 2, 1))
   with pytest.raises(ConfigError, match="has no config.json"):
     load(tmp_path, config_lib.base().model)
   path = _copy(tmp_path)

@@ -107,7 +107,7 @@ def run(model, batch, num_loops: int, key=None) -> dict:
     scan_unroll=1,  # unrolled groups would hold several iterations' weights
     readout=lambda carry: carry[2],
   )
-  _, coda = _group(m.coda, h_BTD, batch, first_BT, m.logits)
+  _, coda = _group(m.coda, m.coda_in(h_BTD), batch, first_BT, m.logits)
   for name, group in (("prelude", prelude), ("coda", coda)):  # (P, B, ...)
     out[name] = _batch_first(group["layer"], 1)
     out[f"{name}_heads"] = _batch_first(group["heads"], 1)

@@ -76,6 +76,9 @@ class LoopedTransformer(nnx.Module):
       return x_BTD
     if self.cfg.init_state == "zeros":
       return jnp.zeros_like(x_BTD)
+    if self.cfg.init_state == "trunc_normal":  # Huginn's
+      z = jax.random.truncated_normal(key, -3.0, 3.0, x_BTD.shape, jnp.float32)
+      return (z * self.cfg.init_state_std).astype(x_BTD.dtype)
     return jax.random.normal(key, x_BTD.shape, x_BTD.dtype)  # Huginn-style
 
   def encode(self, tokens_BT, key=None, segments_BT=None):
@@ -118,8 +121,14 @@ class LoopedTransformer(nnx.Module):
     w_DV = self.embed.T if self.unembed is None else self.unembed
     return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
 
+  def coda_in(self, h_BTD):
+    """The state the coda starts from: the last iteration's, through the final
+    norm where `coda_norm` (Huginn applies its final norm twice)."""
+    return self.norm(h_BTD) if self.cfg.coda_norm else h_BTD
+
   def coda_out(self, h_BTD, segments_BT=None):
     """The state through the coda: what `logits` reads (B, T, D)."""
+    h_BTD = self.coda_in(h_BTD)
     for block in self.coda:
       h_BTD = block(h_BTD, segments_BT=segments_BT)
     return h_BTD
@@ -170,6 +179,7 @@ class LoopedTransformer(nnx.Module):
       return self.end_iteration(h_BTD), out
 
     h_BTD, new["core"] = jax.lax.scan(iteration, h_BTD, cache["core"])
+    h_BTD = self.coda_in(h_BTD)
     for block, kv in zip(self.coda, cache["coda"], strict=True):
       h_BTD, kv = block.cached(h_BTD, kv, offset)
       new["coda"].append(kv)
@@ -201,7 +211,7 @@ class LoopedTransformer(nnx.Module):
       scan_unroll=self.cfg.scan_unroll,
       readout=lambda carry: carry[1],
     )
-    _, out["coda"] = _traced(self.coda, h_BTD, segments_BT)
+    _, out["coda"] = _traced(self.coda, self.coda_in(h_BTD), segments_BT)
     return out
 
   def __call__(

@@ -32,6 +32,7 @@ class HfDir:
       raise ConfigError(f"{self.path / 'config.json'}: not JSON ({e})") from e
     self.files = self._weight_map()
     self._open: dict[str, object] = {}
+    self.used: set[str] = set()
 
   def _weight_map(self) -> dict[str, str]:
     """{tensor name: file name}."""
@@ -46,8 +47,18 @@ class HfDir:
         return dict.fromkeys(f.keys(), SINGLE)
     raise ConfigError(f"model.hf_dir: {self.path} has no {SINGLE} or {INDEX}")
 
-  def names(self) -> set[str]:
-    return set(self.files)
+  def unused(self) -> list[str]:
+    """The tensors no `take` (or `skip`) asked for, sorted."""
+    return sorted(set(self.files) - self.used)
+
+  def skip(self, name: str) -> None:
+    """Marks a stored tensor the model does not need (e.g. a RoPE table)."""
+    self.used.add(name)
+
+  def take(self, name: str, shape: tuple) -> np.ndarray:
+    """The tensor `name` in float32; it must exist and have `shape`."""
+    self.used.add(name)
+    return np.asarray(self.tensor(name, shape), np.float32)
 
   def tensor(self, name: str, shape: tuple) -> np.ndarray:
     """The tensor `name`, which must have `shape` (its stored dtype)."""

@@ -6,18 +6,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from loopjax.errors import ConfigError
-from loopjax.pretrained import llama
+from loopjax.pretrained import huginn, llama
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.state import Model, build_model
 
 # config.json model_type -> family module
-FAMILIES = {"llama": llama, "olmo2": llama}
+FAMILIES = {"llama": llama, "olmo2": llama, "huginn_raven": huginn}
 
 
-def load(path, base, split=None, num_loops: int = 1, dtype: str = "float32"):
+def load(path, base, split=None, num_loops=None, dtype="float32", overrides=None):
   """(model config, Model) of the directory `path`; `base`: the `model`
   section the family's fields are set on; `split`, `num_loops`: see the
-  family's `model_config`."""
+  family's `model_config`; `overrides`: model fields set after the family's
+  (e.g. init_state "zeros" for a deterministic first state)."""
   hf = HfDir(path)
   kind = hf.config.get("model_type")
   if kind not in FAMILIES:
@@ -27,9 +28,12 @@ def load(path, base, split=None, num_loops: int = 1, dtype: str = "float32"):
     )
   family = FAMILIES[kind]
   cfg, vocab_size, max_len = family.model_config(hf.config, base, split, num_loops)
+  cfg.update(overrides or {})
   abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
   graphdef, state = nnx.split(abstract)
   pure = family.params(hf, cfg, vocab_size)
+  if left := hf.unused():  # a tensor left over is an error, as a missing one is
+    raise ConfigError(f"{hf.path}: unexpected tensor {left[0]}")
   want = jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(state))
   got = jax.tree.map(lambda a: tuple(a.shape), pure)
   if want != got:  # a mapping bug, not bad input: the family and model disagree
