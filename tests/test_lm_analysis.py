@@ -97,7 +97,11 @@ def test_repetition_is_the_share_of_variation_the_layer_explains():
 
 @pytest.mark.parametrize(
   "injection, norm_position, state_norm",
-  [("add", "pre", False), ("concat", "post", False), ("add", "residual", True)],
+  [
+    ("add", "pre", False),
+    pytest.param("concat", "post", False, marks=pytest.mark.slow),
+    pytest.param("add", "residual", True, marks=pytest.mark.slow),
+  ],
 )
 def test_the_streamed_pass_equals_the_full_trace(injection, norm_position, state_norm):
   """The scan's per-iteration reductions give what the stacked trace gives:
