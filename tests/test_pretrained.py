@@ -66,6 +66,20 @@ def test_huginns_first_state_is_its_truncated_normal():
   assert not np.allclose(z, m.initial_state(x, jax.random.key(1)))
 
 
+def test_bfloat16_loads_every_tensor_as_bfloat16():
+  """No float32 copy of the weights: params and compute in bf16, close to the
+  float32 reference."""
+  import jax
+  import jax.numpy as jnp
+
+  ref = reference("llama_gqa")
+  _, model = load(FIXTURES / "llama_gqa", config_lib.base().model, dtype="bfloat16")
+  assert {a.dtype for a in jax.tree.leaves(model.params)} == {jnp.dtype("bfloat16")}
+  logits = np.asarray(model.module()(ref["ids"], None), np.float32)
+  np.testing.assert_allclose(logits, ref["logits"], atol=0.25)  # bf16: 3 digits
+  assert (logits.argmax(-1) == ref["logits"].argmax(-1)).mean() > 0.9
+
+
 def test_a_layer_split_is_the_same_model_once_and_a_looped_one_after():
   """prelude / core / coda = 1 / 1 / 1 at R = 1 is the feedforward model; R = 3
   applies the middle layer three times."""

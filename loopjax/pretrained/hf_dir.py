@@ -10,6 +10,7 @@ the tensor.
 import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
@@ -20,10 +21,11 @@ SINGLE = "model.safetensors"
 
 
 class HfDir:
-  """`config` (config.json as a dict) and `tensor(name, shape)`."""
+  """`config` (config.json as a dict) and the tensors, as `dtype` arrays
+  (`take`), each read when asked for."""
 
-  def __init__(self, path):
-    self.path = Path(path)
+  def __init__(self, path, dtype: str = "float32"):
+    self.path, self.dtype = Path(path), jnp.dtype(dtype)
     if not (self.path / "config.json").is_file():
       raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
     try:
@@ -56,9 +58,13 @@ class HfDir:
     self.used.add(name)
 
   def take(self, name: str, shape: tuple) -> np.ndarray:
-    """The tensor `name` in float32; it must exist and have `shape`."""
+    """The tensor `name` as `dtype`; it must exist and have `shape`."""
     self.used.add(name)
-    return np.asarray(self.tensor(name, shape), np.float32)
+    return np.asarray(self.tensor(name, shape), self.dtype)
+
+  def zeros(self, *shape) -> np.ndarray:
+    """A parameter the checkpoint does not store (a bias it has not)."""
+    return np.zeros(shape, self.dtype)
 
   def tensor(self, name: str, shape: tuple) -> np.ndarray:
     """The tensor `name`, which must have `shape` (its stored dtype)."""

@@ -80,8 +80,8 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:
-  """The LoopedTransformer's params (a pure dict, float32) from `hf_dir`'s
-  tensors."""
+  """The LoopedTransformer's params (a pure dict, in `hf_dir.dtype`) from
+  `hf_dir`'s tensors."""
   D, N, F = cfg.d_model, cfg.num_heads, cfg.mlp_hidden
   H, get = D // N, hf_dir.take
 
@@ -92,9 +92,9 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
     return {
       "attn": {
         "wqkv": wqkv,
-        "bqkv": np.concatenate([qk, np.zeros((1, N, H), np.float32)]),
+        "bqkv": np.concatenate([qk, hf_dir.zeros(1, N, H)]),
         "wo": get(at + "attn.proj.weight", (D, D)).T.reshape(N, H, D),
-        "bo": np.zeros(D, np.float32),
+        "bo": hf_dir.zeros(D),
       },
       "mlp": {
         "w_in": get(at + "mlp.fc.weight", (2 * F, D)).T.reshape(D, 2, F),
@@ -111,7 +111,7 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
     "norm": {"scale": get("transformer.ln_f.weight", (D,))},
     "core": group("core_block", cfg.num_layers),
     "adapter": get("transformer.adapter.weight", (D, 2 * D)).T,
-    "adapter_b": np.zeros(D, np.float32),
+    "adapter_b": hf_dir.zeros(D),
   }
   out |= {
     g: group(g, n)

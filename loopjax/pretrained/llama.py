@@ -107,8 +107,8 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:
-  """The LoopedTransformer's params (a pure dict, float32) from `hf_dir`'s
-  tensors."""
+  """The LoopedTransformer's params (a pure dict, in `hf_dir.dtype`) from
+  `hf_dir`'s tensors."""
   norms = LAYOUTS[hf_dir.config["model_type"]][2]
   D, N = cfg.d_model, cfg.num_heads
   K, H, F = cfg.num_kv_heads or N, D // N, cfg.mlp_hidden
@@ -120,12 +120,12 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
     k = get(at + "self_attn.k_proj.weight", (K * H, D)).T.reshape(D, K, H)
     v = get(at + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H)
     o = get(at + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D)
-    attn = {"wo": o, "bo": np.zeros(D, np.float32)}
+    attn = {"wo": o, "bo": hf_dir.zeros(D)}
     if cfg.qk_norm:
       attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (N * H,))}
       attn["k_norm"] = {"scale": get(at + "self_attn.k_norm.weight", (K * H,))}
     if K == N:
-      attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": np.zeros((3, N, H), np.float32)}
+      attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
     else:
       attn |= {"wq": q, "wkv": np.stack([k, v], 1)}
     gate = get(at + "mlp.gate_proj.weight", (F, D)).T
