@@ -55,6 +55,7 @@ def _losses(workdir):
   }
 
 
+@pytest.mark.slow  # ~30 s: the default suite stays under 6 minutes on 2 cores
 def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   """2 processes (data parallel over their devices): a run to step 20 and its
   resumption to 40, with an evaluation job beside it; process 0 alone writes
