@@ -89,6 +89,7 @@ def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   )
 
 
+@pytest.mark.slow  # ~10 s; the KG sharding tests stay in the default suite
 def test_a_sharded_lm_step_matches_one_device(lm_config):
   """The LM step on a (2, 2, 2) mesh of 8 CPUs, with grouped-query heads and
   SwiGLU, equals the same step on one device."""

@@ -123,8 +123,8 @@ def _wait_for_step(workdir, step, proc, timeout=120):
 
 
 @pytest.mark.parametrize(
-  "sig",  # SIGKILL at random moments: test_faults; this one is slow, like it
-  [signal.SIGTERM, pytest.param(signal.SIGKILL, marks=pytest.mark.slow)],
+  "sig",  # ~12 s each (SIGKILL at random moments: test_faults); both slow
+  [pytest.param(s, marks=pytest.mark.slow) for s in (signal.SIGTERM, signal.SIGKILL)],
 )
 def test_killed_run_resumes(tiny_config, tmp_path, sig):
   """SIGTERM saves and exits 0; SIGKILL loses at most the steps since a save.
