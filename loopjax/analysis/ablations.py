@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import markdown, plt, save
+from loopjax.analysis.figures import markdown, plt, save, write_sweep_report
 from loopjax.analysis.mechanistic_figures import main_result
 from loopjax.metrics import read_jsonl, wall_times
 
@@ -146,7 +146,4 @@ def write(root: Path, runs: list[Path]) -> list[Path]:
   rows = [row(r) for r in runs if (r / "analysis").is_dir()]
   if not rows:
     return []
-  md = root / "ablations.md"
-  md.write_text(table(rows))
-  (root / "plots").mkdir(exist_ok=True)
-  return [md, figure(rows, root / "plots" / "ablations.png")]
+  return write_sweep_report(root, "ablations", table(rows), lambda p: figure(rows, p))

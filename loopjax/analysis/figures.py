@@ -11,6 +11,14 @@ import numpy as np  # noqa: E402
 from loopjax.data.kg import hop_count  # noqa: E402
 
 
+def write_sweep_report(root: Path, name: str, table: str, draw) -> list[Path]:
+  """`root/<name>.md` (`table`) and `root/plots/<name>.png` (`draw(path)`)."""
+  md = root / f"{name}.md"
+  md.write_text(table)
+  (root / "plots").mkdir(exist_ok=True)
+  return [md, draw(root / "plots" / f"{name}.png")]
+
+
 def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
   path = out_dir / f"{name}.png"
   return [

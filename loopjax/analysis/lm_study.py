@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loopjax.analysis import ablations
-from loopjax.analysis.figures import markdown, plt, save
+from loopjax.analysis.figures import markdown, plt, save, write_sweep_report
 from loopjax.metrics import read_jsonl, wall_times
 
 COLUMNS = (
@@ -173,7 +173,4 @@ def write(root: Path, runs: list[Path]) -> list[Path]:
   rows = [row(r) for r in runs if is_lm(r)]
   if not rows:
     return []
-  md = root / "lm_study.md"
-  md.write_text(table(rows))
-  (root / "plots").mkdir(exist_ok=True)
-  return [md, figure(rows, root / "plots" / "lm_study.png")]
+  return write_sweep_report(root, "lm_study", table(rows), lambda p: figure(rows, p))

@@ -20,6 +20,23 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 
 
+def check_config(hf: dict, architecture: str, fixed: dict) -> None:
+  """config.json names `architecture`, and each field of `fixed` is absent or
+  holds the one value the family supports."""
+  arch = (hf.get("architectures") or [architecture])[0]
+  if arch != architecture:
+    raise ConfigError(
+      f"config.json: architectures must be [{architecture!r}] for model_type "
+      f"{hf.get('model_type')!r}; got {arch!r}"
+    )
+  for field, value in fixed.items():
+    if hf.get(field, value) != value:
+      raise ConfigError(
+        f"config.json: {field} must be {value!r} (not supported otherwise); "
+        f"got {hf[field]!r}"
+      )
+
+
 class HfDir:
   """`config` (config.json as a dict) and the tensors, as `dtype` arrays
   (`take`), each read when asked for."""

@@ -20,6 +20,7 @@ import ml_collections
 import numpy as np
 
 from loopjax.errors import ConfigError
+from loopjax.pretrained.hf_dir import check_config
 
 ARCHITECTURE = "RavenForCausalLM"
 FIXED = {"bias": False, "injection_type": "linear", "tie_embeddings": True,
@@ -30,17 +31,7 @@ FIXED = {"bias": False, "injection_type": "linear", "tie_embeddings": True,
 def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   """(loopjax `model` config, vocab size, max length); `num_loops` defaults
   to the trained mean recurrence. Huginn has its own layer split."""
-  arch = (hf.get("architectures") or [ARCHITECTURE])[0]
-  if arch != ARCHITECTURE:
-    raise ConfigError(
-      f"config.json: architectures must be [{ARCHITECTURE!r}]; got {arch!r}"
-    )
-  for field, value in FIXED.items():
-    if hf.get(field, value) != value:
-      raise ConfigError(
-        f"config.json: {field} must be {value!r} (not supported otherwise); "
-        f"got {hf[field]!r}"
-      )
+  check_config(hf, ARCHITECTURE, FIXED)
   if split is not None:
     raise ConfigError("model.hf_split: Huginn's prelude, core and coda are its own")
   D, N = hf["n_embd"], hf["n_heads"]

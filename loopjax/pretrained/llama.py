@@ -23,6 +23,7 @@ import ml_collections
 import numpy as np
 
 from loopjax.errors import ConfigError
+from loopjax.pretrained.hf_dir import check_config
 
 # model_type -> (architecture, norm_position, the two norms' names, qk_norm)
 LAYOUTS = {
@@ -53,18 +54,7 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   """(loopjax `model` config, vocab size, max length) for config.json `hf`,
   from `base` (a `model` section)."""
   want, norm_position, _, qk_norm = LAYOUTS[hf["model_type"]]
-  arch = (hf.get("architectures") or [want])[0]
-  if arch != want:
-    raise ConfigError(
-      f"config.json: architectures must be [{want!r}] for model_type "
-      f"{hf['model_type']!r}; got {arch!r}"
-    )
-  for field, value in FIXED.items():
-    if hf.get(field, value) != value:
-      raise ConfigError(
-        f"config.json: {field} must be {value!r} (not supported otherwise); "
-        f"got {hf[field]!r}"
-      )
+  check_config(hf, want, FIXED)
   D, N = hf["hidden_size"], hf["num_attention_heads"]
   K = hf.get("num_key_value_heads") or N
   if hf.get("head_dim", D // N) * N != D:
