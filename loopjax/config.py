@@ -96,7 +96,8 @@ def base() -> ml_collections.ConfigDict:
     norm_position="pre",
     norm_type="layernorm",
     norm_eps=1e-5,
-    state_norm=False,  # normalize the carried state after each iteration (Ouro)
+    state_norm=False,  # the final norm on the state after each iteration (Ouro)
+    exit_gate=False,  # a learned per-token exit probability per iteration (Ouro)
     qk_norm=False,  # normalize queries and keys before RoPE (OLMo 2)
     init_state="embedding",
     init_state_std=1.0,  # "trunc_normal": N(0, std^2) cut at 3 std (Huginn)
@@ -186,7 +187,7 @@ def base() -> ml_collections.ConfigDict:
     sink_threshold=0.3,
     lens_phases=True,
     halting=dict(
-      criteria=tuple(halting.CRITERIA),
+      criteria=halting.LTG,
       r_min=2,  # LTG: iteration t against t - 1 from the second iteration on
       r_max=16,
       eps=(1e-4, 1e-3, 1e-2, 1e-1, 0.5),

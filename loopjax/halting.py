@@ -1,12 +1,14 @@
-"""Adaptive halting at inference: iterate the core until each example's answer settles.
+"""Adaptive halting at inference: iterate the core until each answer settles.
 
 `adaptive` runs the shared core in a `lax.while_loop` (one compiled program for
-any number of iterations). After iteration t, example i halts when t >= r_min
-and its criterion holds; a halted example's state and answer stop changing, and
-the loop ends when every example has halted or at r_max. LTG compares an
-iteration with the one before from the second on: r_min = 2 (r_min = 1 also
-compares the first with the readout of the initial state). Criteria (p_t: the
-answer distribution after iteration t, h_t: the state, T: the sequence length):
+any number of iterations). The unit that halts is an example (its answer at
+`answer_pos_B`: a knowledge-graph answer, or a language model's next token
+after a prompt) or, with `answer_pos_B` None, every token of a language model
+(its next-token distribution). After iteration t, a unit halts when t >= r_min
+and its criterion holds; a halted unit's answer stops changing (the states
+iterate on: other tokens attend to them), and the loop ends when every unit
+has halted or at r_max. Criteria (p_t: the answer distribution after
+iteration t, h_t: the state, T: the sequence length):
 
   kl_entropy      KL(p_t || p_{t-1}) < eps and H(p_t) < tau (LTG's rule; its
                   inference script: eps 1e-3, tau 3, up to 16 iterations)
@@ -14,11 +16,27 @@ answer distribution after iteration t, h_t: the state, T: the sequence length):
                   evaluation in training: eps 0.5, 3 + 12 / T with T its padded
                   length 50, up to 8 iterations; `seq_len` sets T, 0: the batch's)
   kl          KL(p_t || p_{t-1}) < eps
-  kl_reverse  KL(p_{t-1} || p_t) < eps
+  kl_reverse  KL(p_{t-1} || p_t) < eps (Huginn's "kl", eps 1e-3)
   entropy     H(p_t) < tau
-  latent      ||h_t - h_{t-1}|| / ||h_{t-1}|| < eps
-  argmax      argmax p_t unchanged for `patience` iterations
+  entropy_diff  |H(p_t) - H(p_{t-1})| < eps (Huginn's, 1e-3)
+  latent      ||h_t - h_{t-1}|| / ||h_{t-1}|| < eps, over the example's whole
+              state (a token's own, per token)
+  latent_diff   ||h_t - h_{t-1}|| / ||h_t|| < eps per token, averaged over
+              the sequence for an example (Huginn's "latent-diff", 0.03)
+  cosine      1 - cos(h_t, h_{t-1}) < eps, likewise (Huginn's, 1e-3)
+  argmax      argmax p_t unchanged for `patience` iterations (Huginn's
+              "argmax-stability": 5)
+  gate        the model's exit gate: the cumulative exit probability, with
+              lambda_t = sigmoid(gate(h_t)) the chance of exiting at t given
+              not before, reaches `threshold` (Ouro's; its last trained step
+              takes the rest)
   fixed       never: r_max iterations
+
+`start` sets what iteration 1 is compared with: "readout", the readout of the
+initial state (LTG: then r_min 2 compares from the second iteration on), or
+"uniform", nothing yet (Huginn's evaluators: a uniform distribution, an
+entropy and an argmax that no distribution matches; its min_steps m is r_min
+m + 1 where m is 0).
 """
 
 from typing import NamedTuple
@@ -26,11 +44,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+START = ("readout", "uniform")
+
 
 def adaptive(
   model,
   tokens_BT,
-  answer_pos_B,
+  answer_pos_B=None,
   *,
   criterion: str = "kl_entropy",
   r_min: int = 1,
@@ -40,69 +60,117 @@ def adaptive(
   tau_len: float = 12.0,
   seq_len: int = 0,
   patience: int = 2,
+  threshold: float = 0.5,
+  start: str = "readout",
   unroll: int = 4,
   key=None,
 ):
-  """(log-probabilities (B, V) at each example's halting iteration, iterations (B,)).
+  """(log-probabilities (U, V) at each unit's halting iteration, iterations
+  (U,)), U: the examples (B,) or, where `answer_pos_B` is None, the tokens
+  (B, T).
 
-  The loop body runs `unroll` iterations (each still halts examples one by one),
+  The loop body runs `unroll` iterations (each still halts units one by one),
   so the loop's own cost is paid once per `unroll` iterations; at most
-  `unroll - 1` iterations are computed after the last example halts.
+  `unroll - 1` iterations are computed after the last unit halts.
   """
   settled_fn = CRITERIA[criterion]
   T = seq_len or tokens_BT.shape[1]
-  limits = Limits(eps, tau, patience, tau + tau_len / T)
+  limits = Limits(eps, tau, patience, tau + tau_len / T, threshold)
+  per_token = answer_pos_B is None
   x_BTD, h_BTD = model.encode(tokens_BT, key)
-  logp_BV = jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
-  B = tokens_BT.shape[0]
-  init = (
-    jnp.zeros((), jnp.int32),  # t: iterations run
-    h_BTD,
-    logp_BV,
-    jnp.zeros(B, bool),  # halted
-    jnp.zeros(B, jnp.int32),  # iterations used
-    jnp.zeros(B, jnp.int32),  # argmax streak
+
+  def answer(h_BTD):
+    return jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
+
+  def exit_logit(h_BTD):
+    if criterion != "gate":  # a model without a gate has none to read
+      return jnp.zeros(h_BTD.shape[: 1 if answer_pos_B is not None else 2])
+    if not per_token:
+      h_BTD = jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)
+    g = model.exit_logit(h_BTD)
+    return g if per_token else g[:, 0]
+
+  logp = answer(h_BTD)
+  U = logp.shape[:-1]
+  if start == "uniform":
+    logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
+    entropy, argmax = jnp.full(U, jnp.inf), jnp.full(U, -1)
+  else:
+    entropy, argmax = _entropy(logp), logp.argmax(-1)
+  init = Carry(
+    t=jnp.zeros((), jnp.int32),
+    h=h_BTD,
+    logp=logp,  # a halted unit's: frozen
+    logp_prev=logp,
+    entropy=entropy,
+    argmax=argmax,
+    exit_cdf=jnp.zeros(U),
+    halted=jnp.zeros(U, bool),
+    iters=jnp.zeros(U, jnp.int32),
+    streak=jnp.zeros(U, jnp.int32),
   )
 
-  def cond(carry):
-    t, _, _, halted, _, _ = carry
-    return (t < r_max) & ~halted.all()
+  def cond(c):
+    return (c.t < r_max) & ~c.halted.all()
 
-  def one(carry):
-    t, h, logp, halted, iters, streak = carry
-    h_new = model.core_step(h, x_BTD)
-    logp_new = jax.nn.log_softmax(model.readout(h_new, answer_pos_B))
-    running = t < r_max  # False for an unrolled iteration past r_max
-    t = t + running
-    streak = jnp.where(logp_new.argmax(-1) == logp.argmax(-1), streak + 1, 0)
-    settled = settled_fn(Step(logp_new, logp, h_new, h, streak), limits)
-    active = ~halted & running
-    return (
-      t,
-      h_new,  # a halted example's state may move on: its answer is frozen below
-      jnp.where(active[:, None], logp_new, logp),
-      halted | (active & settled & (t >= r_min)),
-      jnp.where(active, t, iters),
-      streak,
+  def one(c):
+    h_new = model.core_step(c.h, x_BTD)
+    logp_new = answer(h_new)
+    running = c.t < r_max  # False for an unrolled iteration past r_max
+    t = c.t + running
+    argmax = logp_new.argmax(-1)
+    streak = jnp.where(argmax == c.argmax, c.streak + 1, 0)
+    lam = jax.nn.sigmoid(exit_logit(h_new))
+    cdf = c.exit_cdf + lam * (1 - c.exit_cdf)
+    step = Step(logp_new, c.logp_prev, c.entropy, h_new, c.h, streak, cdf, per_token)
+    settled = settled_fn(step, limits)
+    active = ~c.halted & running
+    return Carry(
+      t=t,
+      h=h_new,
+      logp=jnp.where(active[..., None], logp_new, c.logp),
+      logp_prev=logp_new,
+      entropy=_entropy(logp_new),
+      argmax=argmax,
+      exit_cdf=cdf,
+      halted=c.halted | (active & settled & (t >= r_min)),
+      iters=jnp.where(active, t, c.iters),
+      streak=streak,
     )
 
-  def body(carry):
+  def body(c):
     for _ in range(unroll):
-      carry = one(carry)
-    return carry
+      c = one(c)
+    return c
 
-  _, _, logp_BV, _, iters_B, _ = jax.lax.while_loop(cond, body, init)
-  return logp_BV, iters_B
+  out = jax.lax.while_loop(cond, body, init)
+  return out.logp, out.iters
+
+
+class Carry(NamedTuple):
+  t: jax.Array  # iterations run
+  h: jax.Array  # (B, T, D)
+  logp: jax.Array  # (U, V) each unit's answer, frozen once it halts
+  logp_prev: jax.Array  # (U, V) the last iteration's answer
+  entropy: jax.Array  # (U,) its entropy
+  argmax: jax.Array  # (U,) its argmax
+  exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
+  halted: jax.Array
+  iters: jax.Array  # (U,) iterations each unit used
+  streak: jax.Array  # (U,) iterations the argmax has not changed
 
 
 class Step(NamedTuple):
-  """What a criterion sees after iteration t, per example."""
+  """What a criterion sees after iteration t, per unit."""
 
-  logp: jax.Array  # (B, V) answer log-probabilities after t
+  logp: jax.Array  # (U, V) answer log-probabilities after t
   logp_prev: jax.Array  # after t - 1
+  entropy_prev: jax.Array  # (U,) H(p_{t-1})
   h: jax.Array  # (B, T, D) the state after t
   h_prev: jax.Array
-  streak: jax.Array  # (B,) iterations the argmax has not changed
+  streak: jax.Array  # (U,) iterations the argmax has not changed
+  exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
+  per_token: bool  # U = (B, T), not (B,)
 
 
 class Limits(NamedTuple):
@@ -110,6 +178,7 @@ class Limits(NamedTuple):
   tau: float
   patience: int
   tau_seq: float  # kl_entropy_len's entropy bound, tau + tau_len / T
+  threshold: float  # the gate's cumulative exit probability
 
 
 def _kl(logp, logq):
@@ -121,12 +190,29 @@ def _entropy(logp):
 
 
 def _latent(s: Step, eps):
-  flat = lambda h: h.reshape(h.shape[0], -1)  # noqa: E731
-  change = jnp.linalg.norm(flat(s.h - s.h_prev), axis=-1)
-  return change < eps * jnp.linalg.norm(flat(s.h_prev), axis=-1)
+  """||h_t - h_{t-1}|| < eps ||h_{t-1}||, per example (its whole state) or token."""
+  unit = (lambda h: h) if s.per_token else (lambda h: h.reshape(h.shape[0], -1))
+  change = jnp.linalg.norm(unit(s.h - s.h_prev), axis=-1)
+  return change < eps * jnp.linalg.norm(unit(s.h_prev), axis=-1)
 
 
-# name -> whether each example's answer has settled (B,); `--mode=analyze` and
+def _token_mean(s: Step, x_BT):
+  """Per token, or its mean over the sequence for an example (Huginn's reduce)."""
+  return x_BT if s.per_token else x_BT.mean(-1)
+
+
+def _latent_diff(s: Step):
+  norm = lambda h: jnp.linalg.norm(h, axis=-1)  # noqa: E731
+  return _token_mean(s, norm(s.h - s.h_prev) / norm(s.h))
+
+
+def _cosine_gap(s: Step):
+  dot = (s.h * s.h_prev).sum(-1)
+  cos = dot / jnp.linalg.norm(s.h, axis=-1) / jnp.linalg.norm(s.h_prev, axis=-1)
+  return _token_mean(s, 1 - cos)
+
+
+# name -> whether each unit's answer has settled (U,); `--mode=analyze` and
 # config validation take their names from here.
 CRITERIA = {
   "kl_entropy": lambda s, l: (
@@ -138,7 +224,14 @@ CRITERIA = {
   "kl": lambda s, l: _kl(s.logp, s.logp_prev) < l.eps,
   "kl_reverse": lambda s, l: _kl(s.logp_prev, s.logp) < l.eps,
   "entropy": lambda s, l: _entropy(s.logp) < l.tau,
+  "entropy_diff": lambda s, l: jnp.abs(_entropy(s.logp) - s.entropy_prev) < l.eps,
   "latent": lambda s, l: _latent(s, l.eps),
+  "latent_diff": lambda s, l: _latent_diff(s) < l.eps,
+  "cosine": lambda s, l: _cosine_gap(s) < l.eps,
   "argmax": lambda s, l: s.streak >= l.patience,
-  "fixed": lambda s, l: jnp.zeros(s.logp.shape[0], bool),
+  "gate": lambda s, l: s.exit_cdf >= l.threshold,
+  "fixed": lambda s, l: jnp.zeros(s.streak.shape, bool),
 }
+# The criteria LTG's knowledge-graph tasks compare (`analyze.halting.criteria`).
+LTG = ("kl_entropy", "kl_entropy_len", "kl", "kl_reverse", "entropy", "latent",
+       "argmax", "fixed")  # fmt: skip

@@ -149,7 +149,7 @@ def test_the_next_layer_reads_its_own_input():
   h_LBTD = jax.random.normal(jax.random.key(1), (2, 1, 4, 16))
   got = fixed_points.next_layer_reads(m, x)(h_LBTD)
   np.testing.assert_allclose(got[0], m.core[1].norm1(h_LBTD[0]), rtol=1e-6)
-  want = m.core[0].norm1(m.inject(m.state_norm(h_LBTD[1]), x))
+  want = m.core[0].norm1(m.inject(m.norm(h_LBTD[1]), x))
   np.testing.assert_allclose(got[1], want, rtol=1e-6)
   post = model(norm_position="post")
   np.testing.assert_allclose(

@@ -52,6 +52,77 @@ def test_huginn_matches_its_reference_code(steps):
   np.testing.assert_allclose(m.coda_in(last_BTD), ref[f"latent_{steps}"], atol=1e-4)
 
 
+# Huginn's exit criteria (their names) -> loopjax.halting's
+HUGINN_EXITS = {
+  "kl": "kl_reverse",
+  "entropy-diff": "entropy_diff",
+  "latent-diff": "latent_diff",
+  "cosine": "cosine",
+  "argmax-stability": "argmax",
+}
+
+
+@pytest.mark.parametrize("theirs", HUGINN_EXITS)
+def test_huginns_exit_criteria_decide_as_its_reference_does(theirs):
+  """Each criterion, at a threshold where 8 prompts exit at different steps:
+  the step each prompt's next token exits at, and the token, are the
+  reference's adaptive generation's (its evaluators, run from a zero state)."""
+  import jax.numpy as jnp
+
+  from loopjax import halting
+
+  ref = reference("huginn")
+  _, model = load(FIXTURES / "huginn", config_lib.base().model,
+                  overrides={"init_state": "zeros"})  # fmt: skip
+  ids = jnp.asarray(ref["exit_ids"])
+  threshold = float(ref[f"{theirs}_threshold"])
+  logp_BV, iters_B = halting.adaptive(
+    model.module(), ids, jnp.full(len(ids), ids.shape[1] - 1),
+    criterion=HUGINN_EXITS[theirs], r_min=1, r_max=16, eps=threshold,
+    patience=int(threshold), start="uniform",
+  )  # fmt: skip
+  want = ref[f"{theirs}_steps"]
+  assert len(set(want)) > 2
+  np.testing.assert_array_equal(iters_B, want)
+  np.testing.assert_array_equal(np.argmax(logp_BV, -1), ref[f"{theirs}_token"])
+
+
+def test_ouro_matches_its_reference_code_at_every_step():
+  """The whole stack looped, sandwich norms, the final norm after every step
+  and read as is: each step's logits (the reference's exit_at_step)."""
+  cfg, model = load(FIXTURES / "ouro", config_lib.base().model)
+  assert (cfg.num_prelude, cfg.num_layers, cfg.num_coda, cfg.num_loops) == (0, 3, 0, 4)
+  ref = reference("ouro")
+  m = model.module()
+  for t in range(4):
+    got = m(ref["ids"], None, num_loops=t + 1)
+    np.testing.assert_allclose(got, ref["logits"][t], atol=1e-4, err_msg=f"step {t}")
+
+
+def test_ouros_exit_gate_exits_each_token_where_its_reference_does():
+  """The cumulative exit probability against thresholds 0.3, 0.6, 0.9, per
+  token: the logits at each token's exit are the reference's
+  (exit_threshold), and its exit step is the one whose logits those are."""
+  import jax.numpy as jnp
+
+  from loopjax import halting
+
+  ref = reference("ouro")
+  _, model = load(FIXTURES / "ouro", config_lib.base().model)
+  steps_RBTV = ref["logits"]
+  for i, q in enumerate(ref["thresholds"]):
+    logp_BTV, iters_BT = halting.adaptive(
+      model.module(), jnp.asarray(ref["ids"]), criterion="gate", r_max=4,
+      threshold=float(q),
+    )  # fmt: skip
+    want_BTV = ref[f"exit_logits_{i}"]
+    dist_RBT = np.abs(steps_RBTV - want_BTV[None]).max(-1)
+    np.testing.assert_array_equal(iters_BT, dist_RBT.argmin(0) + 1)
+    logsm = want_BTV - np.log(np.exp(want_BTV).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logp_BTV, logsm, atol=1e-4)
+  assert len(np.unique(iters_BT)) > 2
+
+
 def test_huginns_first_state_is_its_truncated_normal():
   """std sqrt(2 / 5d) x sqrt(d), cut at 3 std; a new draw per key."""
   import jax

@@ -46,10 +46,9 @@ class LoopedTransformer(nnx.Module):
       self.adapter = param(rngs, normal, (2 * d, d), (None, "embed"))
       self.adapter_b = zeros(rngs, (d,), ("embed",))
     self.norm = Norm(d, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps)
-    # Ouro: the carried state normalized after every iteration.
-    self.state_norm = (
-      Norm(d, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps) if cfg.state_norm else None
-    )
+    if cfg.exit_gate:  # Ouro's: a per-token exit probability from each state
+      self.gate_w = param(rngs, normal, (d,), ("embed",))
+      self.gate_b = zeros(rngs, (), ())
     self.unembed = (
       None
       if cfg.tie_embeddings
@@ -111,13 +110,21 @@ class LoopedTransformer(nnx.Module):
     return self.end_iteration(h_BTD)
 
   def end_iteration(self, h_BTD):
-    """The state an iteration hands on (normalized where `state_norm`)."""
-    return h_BTD if self.state_norm is None else self.state_norm(h_BTD)
+    """The state an iteration hands on: through the final norm where
+    `state_norm` (Ouro normalizes the stream after every loop step)."""
+    return self.norm(h_BTD) if self.cfg.state_norm else h_BTD
 
-  def logits(self, h_D):
+  def exit_logit(self, h_BTD):
+    """Ouro's exit gate on an iteration's state: the logit of the probability
+    of exiting there, given not earlier (..., B, T), float32."""
+    w_D = self.gate_w.astype(h_BTD.dtype)
+    return (h_BTD @ w_D).astype(jnp.float32) + self.gate_b
+
+  def logits(self, h_D, norm: bool = True):
     """Final norm and unembedding of states with any leading axes: (..., V).
-    The readout's last step, and the logit lens (applied to any layer's output)."""
-    h_D = self.norm(h_D)
+    The readout's last step, and the logit lens (applied to any layer's output);
+    norm=False: states the final norm has already seen (`state_norm`)."""
+    h_D = self.norm(h_D) if norm else h_D
     w_DV = self.embed.T if self.unembed is None else self.unembed
     return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
 
@@ -138,8 +145,15 @@ class LoopedTransformer(nnx.Module):
     or at every position (B, T, V) where `answer_pos_B` is None."""
     h_BTD = self.coda_out(h_BTD, segments_BT)
     if answer_pos_B is None:
-      return self.logits(h_BTD)
-    return self.logits(jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0])
+      return self.logits(h_BTD, self.readout_norm)
+    h_BD = jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0]
+    return self.logits(h_BD, self.readout_norm)
+
+  @property
+  def readout_norm(self) -> bool:
+    """Whether the readout applies the final norm: not to a last iteration's
+    state that `state_norm` has normed (no coda after it: Ouro)."""
+    return not (self.cfg.state_norm and not self.coda)
 
   def init_cache(self, batch: int, length: int, num_loops: int, dtype) -> dict:
     """Empty key/value caches for `decode`: per prelude and coda layer (B, S, N,
@@ -183,7 +197,7 @@ class LoopedTransformer(nnx.Module):
     for block, kv in zip(self.coda, cache["coda"], strict=True):
       h_BTD, kv = block.cached(h_BTD, kv, offset)
       new["coda"].append(kv)
-    return self.logits(h_BTD), new
+    return self.logits(h_BTD, self.readout_norm), new
 
   def trace(self, tokens_BT, num_loops: int, key=None, segments_BT=None) -> dict:
     """Every layer's output and attention weights, for the analyses.

@@ -50,24 +50,17 @@ FIXED = {
 }
 
 
-def model_config(hf: dict, base, split=None, num_loops: int | None = None):
-  """(loopjax `model` config, vocab size, max length) for config.json `hf`,
-  from `base` (a `model` section)."""
-  want, norm_position, _, qk_norm = LAYOUTS[hf["model_type"]]
-  check_config(hf, want, FIXED)
+def decoder_config(hf: dict, base, architecture: str, fixed: dict):
+  """(loopjax `model` config, vocab size, max length) of a Llama-style
+  decoder's config.json `hf` (Llama, OLMo 2, Ouro): its shapes, RoPE and norms,
+  every layer in the core, applied once, from `base` (a `model` section)."""
+  check_config(hf, architecture, fixed)
   D, N = hf["hidden_size"], hf["num_attention_heads"]
   K = hf.get("num_key_value_heads") or N
   if hf.get("head_dim", D // N) * N != D:
     raise ConfigError(
       f"config.json: head_dim must be hidden_size / num_attention_heads "
       f"({D // N}); got {hf['head_dim']}"
-    )
-  n = hf["num_hidden_layers"]
-  p, c, k = split or (0, n, 0)
-  if p + c + k != n or c < 1:
-    raise ConfigError(
-      f"model.hf_split: prelude, core and coda layers must add up to the "
-      f"model's {n} layers with a core of at least 1; got {p},{c},{k}"
     )
   cfg = ml_collections.ConfigDict(base.to_dict())
   cfg.update(
@@ -77,66 +70,108 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
     mlp_type="swiglu",
     mlp_hidden=hf["intermediate_size"],
     norm_type="rmsnorm",
-    norm_position=norm_position,
-    qk_norm=qk_norm,
+    qk_norm=False,
     norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
     pos_encoding="rope",
     rope_theta=float(hf.get("rope_theta", 10_000.0)),
     rope_pairing="half",
     embed_scale=1.0,
+    num_prelude=0,
+    num_layers=hf["num_hidden_layers"],
+    num_coda=0,
+    num_loops=1,
+    injection="none",
+    init_state="embedding",
+    state_norm=False,
+    exit_gate=False,
+    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+  )
+  return cfg, hf["vocab_size"], hf.get("max_position_embeddings", 2048)
+
+
+def model_config(hf: dict, base, split=None, num_loops: int | None = None):
+  """(loopjax `model` config, vocab size, max length) for config.json `hf`,
+  from `base` (a `model` section)."""
+  want, norm_position, _, qk_norm = LAYOUTS[hf["model_type"]]
+  cfg, vocab_size, max_len = decoder_config(hf, base, want, FIXED)
+  n = cfg.num_layers
+  p, c, k = split or (0, n, 0)
+  if p + c + k != n or c < 1:
+    raise ConfigError(
+      f"model.hf_split: prelude, core and coda layers must add up to the "
+      f"model's {n} layers with a core of at least 1; got {p},{c},{k}"
+    )
+  cfg.update(
+    norm_position=norm_position,
+    qk_norm=qk_norm,
     num_prelude=p,
     num_layers=c,
     num_coda=k,
     num_loops=num_loops or 1,
-    injection="none",
-    init_state="embedding",
-    state_norm=False,
-    tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
   )
-  return cfg, hf["vocab_size"], hf.get("max_position_embeddings", 2048)
+  return cfg, vocab_size, max_len
+
+
+def attention_mlp(hf_dir, cfg, at: str) -> dict:
+  """A Llama-style layer's attention and SwiGLU params from the tensors under
+  `at` ("model.layers.i."): q/k/v/o and gate/up/down projections, OLMo 2's
+  q/k norms where `qk_norm`. Llama, OLMo 2 and Ouro name them alike."""
+  D, N = cfg.d_model, cfg.num_heads
+  K, H, F = cfg.num_kv_heads or N, D // N, cfg.mlp_hidden
+  get = hf_dir.take
+  q = get(at + "self_attn.q_proj.weight", (N * H, D)).T.reshape(D, N, H)
+  k = get(at + "self_attn.k_proj.weight", (K * H, D)).T.reshape(D, K, H)
+  v = get(at + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H)
+  o = get(at + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D)
+  attn = {"wo": o, "bo": hf_dir.zeros(D)}
+  if cfg.qk_norm:
+    attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (N * H,))}
+    attn["k_norm"] = {"scale": get(at + "self_attn.k_norm.weight", (K * H,))}
+  if K == N:
+    attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
+  else:
+    attn |= {"wq": q, "wkv": np.stack([k, v], 1)}
+  gate = get(at + "mlp.gate_proj.weight", (F, D)).T
+  up = get(at + "mlp.up_proj.weight", (F, D)).T
+  return {
+    "attn": attn,
+    "mlp": {
+      "w_in": np.stack([gate, up], 1),
+      "w_out": get(at + "mlp.down_proj.weight", (D, F)).T,
+    },
+  }
+
+
+def embed_and_head(hf_dir, cfg, vocab_size: int) -> dict:
+  """The embedding, the final norm and an untied head (Llama's names)."""
+  D = cfg.d_model
+  out = {
+    "embed": hf_dir.take("model.embed_tokens.weight", (vocab_size, D)),
+    "norm": {"scale": hf_dir.take("model.norm.weight", (D,))},
+  }
+  if not cfg.tie_embeddings:
+    out["unembed"] = hf_dir.take("lm_head.weight", (vocab_size, D)).T
+  return out
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:
   """The LoopedTransformer's params (a pure dict, in `hf_dir.dtype`) from
   `hf_dir`'s tensors."""
   norms = LAYOUTS[hf_dir.config["model_type"]][2]
-  D, N = cfg.d_model, cfg.num_heads
-  K, H, F = cfg.num_kv_heads or N, D // N, cfg.mlp_hidden
-  get = hf_dir.take
 
   def layer(i):
     at = f"model.layers.{i}."
-    q = get(at + "self_attn.q_proj.weight", (N * H, D)).T.reshape(D, N, H)
-    k = get(at + "self_attn.k_proj.weight", (K * H, D)).T.reshape(D, K, H)
-    v = get(at + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H)
-    o = get(at + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D)
-    attn = {"wo": o, "bo": hf_dir.zeros(D)}
-    if cfg.qk_norm:
-      attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (N * H,))}
-      attn["k_norm"] = {"scale": get(at + "self_attn.k_norm.weight", (K * H,))}
-    if K == N:
-      attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
-    else:
-      attn |= {"wq": q, "wkv": np.stack([k, v], 1)}
-    gate = get(at + "mlp.gate_proj.weight", (F, D)).T
-    up = get(at + "mlp.up_proj.weight", (F, D)).T
-    return {
-      "attn": attn,
-      "mlp": {
-        "w_in": np.stack([gate, up], 1),
-        "w_out": get(at + "mlp.down_proj.weight", (D, F)).T,
-      },
-      "norm1": {"scale": get(at + f"{norms[0]}.weight", (D,))},
-      "norm2": {"scale": get(at + f"{norms[1]}.weight", (D,))},
+    scale = lambda name: {"scale": hf_dir.take(at + f"{name}.weight", (cfg.d_model,))}  # noqa: E731
+    return attention_mlp(hf_dir, cfg, at) | {
+      "norm1": scale(norms[0]),
+      "norm2": scale(norms[1]),
     }
 
   layers = [layer(i) for i in range(cfg.num_prelude + cfg.num_layers + cfg.num_coda)]
   p, c = cfg.num_prelude, cfg.num_layers
   groups = {"prelude": layers[:p], "core": layers[p : p + c], "coda": layers[p + c :]}
-  out = {
-    "embed": get("model.embed_tokens.weight", (vocab_size, D)),
-    "norm": {"scale": get("model.norm.weight", (D,))},
-  } | {g: dict(enumerate(ls)) for g, ls in groups.items() if ls}  # empty: no state
-  if not cfg.tie_embeddings:
-    out["unembed"] = get("lm_head.weight", (vocab_size, D)).T
-  return out
+  return embed_and_head(hf_dir, cfg, vocab_size) | {
+    g: dict(enumerate(ls))
+    for g, ls in groups.items()
+    if ls  # empty: no state
+  }

@@ -6,12 +6,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from loopjax.errors import ConfigError
-from loopjax.pretrained import huginn, llama
+from loopjax.pretrained import huginn, llama, ouro
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.state import Model, build_model
 
 # config.json model_type -> family module
-FAMILIES = {"llama": llama, "olmo2": llama, "huginn_raven": huginn}
+FAMILIES = {"llama": llama, "olmo2": llama, "ouro": ouro, "huginn_raven": huginn}
 
 
 def load(path, base, split=None, num_loops=None, dtype=None, overrides=None):
