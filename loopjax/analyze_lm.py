@@ -89,12 +89,16 @@ def memory(compiled, batch, depth: int, model_cfg) -> dict:
   }
 
 
-def run(config, task, model: Model, step: int, out_dir) -> list[Path]:
-  """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`."""
+def run(
+  config, task, model: Model, step: int, out_dir, probe=None, split=SPLIT
+) -> list[Path]:
+  """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`;
+  `probe`: (batches, n) to analyze instead of validation windows, reported
+  as `split` (a pretrained model's prompts)."""
   a, out_dir = config.analyze, Path(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth
-  probe, n = batches(task, a.lm_windows, a.batch_size)
+  probe, n = probe or batches(task, a.lm_windows, a.batch_size)
   compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
   mem = memory(compiled, probe[0], depth, config.model)
   outs = jax.device_get([compiled(model, b, key) for b in probe])
@@ -103,9 +107,9 @@ def run(config, task, model: Model, step: int, out_dir) -> list[Path]:
     "step": step,
     "fingerprint": task.fingerprint,
     "train_depths": [config.model.num_loops],
-    "main_split": SPLIT,
+    "main_split": split,
     "windows": n,
-    "seq_len": task.seq_len,
+    "seq_len": int(probe[0]["inputs"].shape[1]),
   }
   results = {
     "fixed_points": fixed_points.summarize(
@@ -117,7 +121,7 @@ def run(config, task, model: Model, step: int, out_dir) -> list[Path]:
   }
   written = []
   for name in a.names:
-    report = head | {name: {SPLIT: results[name]}}
+    report = head | {name: {split: results[name]}}
     view = stage_figures if name == "stages" else mechanistic_figures
     path = out_dir / f"{name}.json"
     path.write_text(json.dumps(report, indent=2))

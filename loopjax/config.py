@@ -91,6 +91,9 @@ def base() -> ml_collections.ConfigDict:
     pos_encoding="learned",
     rope_theta=10_000.0,
     rope_pairing="half",  # dimensions rotated together: (i, i + H/2) or (2i, 2i+1)
+    # Llama 3.1's RoPE rescaling (Llama 3.2, retrofitted from it): (factor,
+    # low_freq_factor, high_freq_factor, original context length); (): none
+    rope_llama3=(),
     embed_scale=1.0,  # token embeddings x this (Huginn: sqrt(d_model))
     injection="none",
     norm_position="pre",
@@ -106,6 +109,11 @@ def base() -> ml_collections.ConfigDict:
     embed_init_std=0.02,  # token and learned position embeddings
     out_init_scale=1.0,  # attention and MLP output projections x this (0: zero)
     tie_embeddings=True,
+    # A pretrained model (loopjax/pretrained): a local Hugging Face directory
+    # whose config.json sets every shape field above; hf_split "p,c,k" places a
+    # feedforward model's layers as prelude, core and coda.
+    hf_dir="",
+    hf_split="",
     remat="none",
     scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
@@ -204,6 +212,17 @@ def base() -> ml_collections.ConfigDict:
   return c
 
 
+def _llama3_ok(v) -> bool:
+  """`model.rope_llama3` is off, or four finite numbers its blend can use."""
+  if len(v) == 0:
+    return True
+  numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
+  if len(v) != 4 or not numbers or not all(math.isfinite(x) for x in v):
+    return False
+  factor, low, high, context = v
+  return factor >= 1 and 0 < low < high and context >= 1
+
+
 # Simple bounds, one table: field -> (holds for a good value, what is allowed).
 _AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
 _AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
@@ -269,6 +288,11 @@ _BOUNDS = {
   "model.rope_theta": (lambda v: v > 1 and math.isfinite(v), "must be > 1"),
   "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "model.init_state_std": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
+  "model.rope_llama3": (
+    _llama3_ok,
+    "must be () or (factor >= 1, low_freq_factor > 0, high_freq_factor > "
+    "low_freq_factor, original context length >= 1)",
+  ),
   "train.eps": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
   "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
@@ -309,7 +333,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
   d, m, t, a = c.data, c.model, c.train, c.analyze
   check(c, _BOUNDS)
-  if d.task == "lm":
+  if m.hf_dir or d.source.startswith("prompts:"):
+    task_checks.pretrained(c)
+  elif d.task == "lm":
     task_checks.lm(c)
   elif not (d.source == "generate" or d.source.startswith("grokked_json:")):
     raise ConfigError(

@@ -100,6 +100,33 @@ def _load_config(wd: Workdir):
   )
 
 
+def _pretrained(config, workdir: Path) -> None:
+  """--mode=analyze or sample on model.hf_dir (loopjax.pretrained.run)."""
+  from loopjax.pretrained import run
+
+  if FLAGS.mode == "analyze":
+    paths = run.analyze(config, workdir)
+    print("wrote " + ", ".join(map(str, paths)))
+  elif FLAGS.mode == "sample":
+    print(
+      run.sample(
+        config,
+        workdir,
+        FLAGS.prompt,
+        num_loops=FLAGS.num_loops,
+        max_new_tokens=FLAGS.max_new_tokens,
+        temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k,
+        seed=FLAGS.sample_seed,
+      )
+    )
+  else:
+    raise ConfigError(
+      f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
+      "--mode=analyze or --mode=sample"
+    )
+
+
 def main(argv):
   if len(argv) > 1:
     exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
@@ -150,7 +177,9 @@ def main(argv):
       f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
     )
   try:
-    if FLAGS.mode == "train":
+    if config is not None and config.model.hf_dir:
+      _pretrained(config, workdir)
+    elif FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)
       print(
         f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "

@@ -82,3 +82,20 @@ def lm(c) -> None:
     )
   if not (0 <= c.train.z_loss < 1):
     raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
+
+
+def pretrained(c) -> None:
+  """The fields a pretrained model's run reads (`loopjax.pretrained.run`)."""
+  d, m = c.data, c.model
+  if not m.hf_dir:
+    raise ConfigError(
+      "model.hf_dir: a local Hugging Face model directory is required with "
+      f"data.source {d.source!r}"
+    )
+  if d.task != "lm" or not d.source.startswith("prompts:"):
+    raise ConfigError(
+      "data.source: must be 'prompts:FILE' (data.task 'lm') for a pretrained "
+      f"model (model.hf_dir); got task {d.task!r}, source {d.source!r}"
+    )
+  if d.seq_len < 2:
+    raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")

@@ -232,3 +232,111 @@ def test_missing_files_and_splits_that_do_not_add_up(tmp_path):
     ConfigError, match="has no model.safetensors or model.safetensors.index.json"
   ):
     load(path, config_lib.base().model)
+
+
+RETROFIT = ["retrofit_llama", "retrofit_olmo"]
+
+
+@pytest.mark.parametrize("name", RETROFIT)
+def test_retrofitted_llama_and_olmo2_match_their_reference_code(name):
+  """The source's own blocks (Llama's pre-norm; OLMo 2's output norms and
+  q / k norms) in Huginn's layout: the concat adapter, Wqkv split into q, k, v
+  (grouped or fused), rotate-half RoPE from rope_theta (llama3-rescaled for
+  the Llama), the final norm after the coda only, the untied head; logits at
+  R = 3 and 5 from a zero first state (the reference's init_scale 0)."""
+  ref = reference(name)
+  _, model = load(FIXTURES / name, config_lib.base().model,
+                  overrides={"init_state": "zeros"})  # fmt: skip
+  m = model.module()
+  for steps in (3, 5):
+    np.testing.assert_allclose(
+      m(ref["ids"], None, num_loops=steps), ref[f"logits_{steps}"], atol=1e-4
+    )
+
+
+def test_retrofitted_layouts_are_read_from_the_checkpoint():
+  """The split and mean R from config.json (1/2/1 and 2/1/1), the block from
+  the tensors (config.json does not tell Llama from OLMo), RoPE from
+  rope_theta (not rope_base), the first state's std as stored (Huginn's, for
+  its width) at embedding scale 1."""
+  want = {
+    "retrofit_llama": ((1, 2, 1, 4), "pre", False, 2, 1e4, (4.0, 1.0, 4.0, 16)),
+    "retrofit_olmo": ((2, 1, 1, 4), "res_post", True, 0, 5e5, ()),
+  }
+  for name, (split, position, qk_norm, kv, theta, llama3) in want.items():
+    cfg, _ = load(FIXTURES / name, config_lib.base().model)
+    assert (cfg.num_prelude, cfg.num_layers, cfg.num_coda, cfg.num_loops) == split
+    assert (cfg.norm_position, cfg.qk_norm, cfg.num_kv_heads) == (position, qk_norm, kv)
+    assert (cfg.rope_theta, tuple(cfg.rope_llama3)) == (theta, llama3)
+    assert (cfg.embed_scale, cfg.coda_norm, cfg.tie_embeddings) == (1.0, False, False)
+    assert cfg.init_state == "trunc_normal"
+    assert cfg.init_state_std == pytest.approx((2 / (5 * 5280)) ** 0.5)
+
+
+def _retrofit_copy(tmp_path, name, edit_config=None, edit_tensors=None):
+  out = tmp_path / name
+  shutil.copytree(FIXTURES / name, out)
+  if edit_config:
+    hf = json.loads((out / "config.json").read_text())
+    edit_config(hf)
+    (out / "config.json").write_text(json.dumps(hf))
+  if edit_tensors:
+    tensors = load_file(out / "model.safetensors")
+    edit_tensors(tensors)
+    save_file(tensors, out / "model.safetensors")
+  return out
+
+
+def test_retrofitted_olmos_embed_init_starts_from_the_prelude_output(tmp_path):
+  """OLMo's initial_state_mode "embed-init" -> init_state embedding, against
+  the reference run in that mode (R = 3)."""
+  ref = reference("retrofit_olmo")
+  path = _retrofit_copy(
+    tmp_path, "retrofit_olmo", lambda hf: hf.update(initial_state_mode="embed-init")
+  )
+  cfg, model = load(path, config_lib.base().model)
+  assert cfg.init_state == "embedding"
+  logits = model.module()(ref["ids"], None, num_loops=3)
+  np.testing.assert_allclose(logits, ref["embed_init_logits_3"], atol=1e-4)
+
+
+def test_a_tied_retrofitted_head_reads_the_embedding(tmp_path):
+  """tie_embeddings (not the stale tie_word_embeddings) decides: tied and
+  without lm_head, the model equals the untied one whose head is wte."""
+  ids = reference("retrofit_llama")["ids"]
+  wte = "transformer.wte.weight"
+  head_is_wte = lambda t: t.update({"lm_head.weight": t[wte]})  # noqa: E731
+  untied = _retrofit_copy(tmp_path / "a", "retrofit_llama", None, head_is_wte)
+  tied = _retrofit_copy(
+    tmp_path / "b",
+    "retrofit_llama",
+    lambda hf: hf.update(tie_embeddings=True, tie_word_embeddings=False),
+    lambda t: t.pop("lm_head.weight"),
+  )
+  cfg, model = load(tied, config_lib.base().model, overrides={"init_state": "zeros"})
+  assert cfg.tie_embeddings
+  _, want = load(untied, config_lib.base().model, overrides={"init_state": "zeros"})
+  np.testing.assert_allclose(
+    model.module()(ids, None, num_loops=3), want.module()(ids, None, num_loops=3),
+    atol=1e-5,
+  )  # fmt: skip
+
+
+BAD_RETROFIT = [
+  ("retrofit_olmo", lambda hf: hf.update(initial_state_mode="skip-adapter"), None,
+   "initial_state_mode must be one of random, embed-init"),
+  ("retrofit_llama", lambda hf: hf.update(rope_scaling={"rope_type": "yarn"}), None,
+   "rope_scaling must be None or of rope_type 'llama3'"),
+  ("retrofit_llama", lambda hf: hf.update(qk_bias=True), None, "qk_bias must be False"),
+  ("retrofit_llama", lambda hf: hf.pop("rope_theta"), None, "rope_theta is missing"),
+  ("retrofit_llama", None, (1, 2, 1), "a retrofitted model's prelude, core and coda"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, edit_config, split, message", BAD_RETROFIT)
+def test_bad_retrofitted_configs_name_the_field(
+  tmp_path, name, edit_config, split, message
+):
+  path = _retrofit_copy(tmp_path, name, edit_config)
+  with pytest.raises(ConfigError, match=re.escape(message)):
+    load(path, config_lib.base().model, split=split)

@@ -29,8 +29,8 @@ from loopjax.errors import ConfigError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
 # Names other tokenizers give the same tokens, first match wins.
-_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|endoftext|>")
-_EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|endoftext|>")
+_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|begin_text|>", "<|endoftext|>")
+_EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|end_text|>", "<|endoftext|>")
 _PAD = ("<pad>", "<|pad|>", "[PAD]")
 
 

@@ -46,15 +46,36 @@ class Norm(nnx.Module):
     return y.astype(x_D.dtype)
 
 
-def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half"):
+def rope_frequencies(H: int, base: float, llama3=()) -> np.ndarray:
+  """The H/2 rotation frequencies; `llama3` (factor, low_freq_factor,
+  high_freq_factor, original context): Llama 3.1's rescaling, which slows the
+  frequencies whose wavelength exceeds the original context / low_freq_factor
+  by `factor`, keeps those under context / high_freq_factor, and blends the
+  two in between (what a checkpoint trained with it expects)."""
+  freq_F = base ** (-np.arange(0, H, 2) / H)
+  if not llama3:
+    return freq_F
+  factor, low, high, context = llama3
+  wavelen_F = 2 * np.pi / freq_F
+  smooth_F = (context / wavelen_F - low) / (high - low)
+  blend_F = (1 - smooth_F) * freq_F / factor + smooth_F * freq_F
+  return np.where(
+    wavelen_F > context / low,
+    freq_F / factor,
+    np.where(wavelen_F < context / high, freq_F, blend_F),
+  )
+
+
+def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half", llama3=()):
   """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
   position-dependent angles, so q.k depends on positions only through their
   difference (chains longer than any trained on keep familiar offsets).
   `offset`: the position of the first token (decoding with a cache; traced).
   `pairing`: which dimensions rotate together, (i, i + H/2) ("half": Llama,
-  GPT-NeoX) or (2i, 2i + 1) ("interleaved": the original, Huginn)."""
+  GPT-NeoX) or (2i, 2i + 1) ("interleaved": the original, Huginn); `llama3`:
+  see `rope_frequencies`."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[3]
-  freq_F = base ** (-np.arange(0, H, 2) / H)
+  freq_F = rope_frequencies(H, base, llama3)
   if isinstance(offset, int):  # a constant: folded at trace time
     angle_TF = (offset + np.arange(T))[:, None] * freq_F[None]
     cos, sin = np.cos(angle_TF), np.sin(angle_TF)
@@ -83,7 +104,9 @@ class Attention(nnx.Module):
     d, N = cfg.d_model, cfg.num_heads
     K, hd = cfg.num_kv_heads or N, d // N
     self.rotary = cfg.pos_encoding == "rope"
-    self.rope = dict(base=cfg.rope_theta, pairing=cfg.rope_pairing)
+    self.rope = dict(
+      base=cfg.rope_theta, pairing=cfg.rope_pairing, llama3=tuple(cfg.rope_llama3)
+    )
     # OLMo 2: all heads' queries (and keys) normalized together, before RoPE.
     if cfg.qk_norm:
       self.q_norm = Norm(N * hd, cfg.norm_type, rngs=rngs, eps=cfg.norm_eps)

@@ -6,12 +6,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 from loopjax.errors import ConfigError
-from loopjax.pretrained import huginn, llama, ouro
+from loopjax.pretrained import llama, ouro, retrofit
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.state import Model, build_model
 
-# config.json model_type -> family module
-FAMILIES = {"llama": llama, "olmo2": llama, "ouro": ouro, "huginn_raven": huginn}
+# config.json model_type -> family module, or a function of the directory that
+# picks one (huginn_raven: Huginn-0125's and the retrofitted models' type)
+FAMILIES = {
+  "llama": llama,
+  "olmo2": llama,
+  "ouro": ouro,
+  "huginn_raven": retrofit.family,
+}
 
 
 def load(path, base, split=None, num_loops=None, dtype=None, overrides=None):
@@ -30,6 +36,8 @@ def load(path, base, split=None, num_loops=None, dtype=None, overrides=None):
       f"{', '.join(FAMILIES)}; got {kind!r}"
     )
   family = FAMILIES[kind]
+  if callable(family):
+    family = family(hf)
   cfg, vocab_size, max_len = family.model_config(hf.config, base, split, num_loops)
   cfg.update(overrides or {})
   cfg.dtype = dtype

@@ -1,0 +1,56 @@
+"""Pretrained looped language models, loaded from a local Hugging Face
+directory (loopjax/pretrained), analyzed as MECH does: fixed points per layer
+of the block, attention heads' stability and the stages of inference, at
+recurrences from 1 to well past the trained mean, on GSM8K-style prompts.
+
+Variants (the family's recurrences and analysis depth; bf16):
+  huginn    Huginn-0125: prelude 2, core 4, coda 2; R 32 (its default at
+            inference), analyzed to 64
+  ouro      Ouro-1.4B / 2.6B: the whole stack looped; R 4 (trained), to 16
+  retrofit  Llama / OLMo 2 retrofitted with recurrence (McLeish et al.); R 4,
+            to 32
+  llama, olmo2  the feedforward models MECH compares against (R 1); the
+            analyses' iteration 1 is the model itself, iterations 2-4 apply
+            the whole stack again to its own output (looping the whole model,
+            a baseline of retrofitting's paper)
+
+  python -m loopjax.main --config=experiments/pretrained.py:huginn \\
+      --config.model.hf_dir=~/models/huginn-0125 --workdir=runs/huginn --mode=analyze
+  python -m loopjax.main --config=experiments/pretrained.py:huginn \\
+      --config.model.hf_dir=~/models/huginn-0125 --workdir=runs/huginn \\
+      --mode=sample --prompt="The capital of France is"
+
+`--config.data.source=prompts:FILE` (one prompt per line, or JSONL with the
+prompt under data.text_field) replaces the 8 arithmetic questions shipped in
+experiments/prompts; `--config.model.hf_split=2,4,2` re-splits a feedforward
+model (retrofitting's layout at R 1 is the same function).
+"""
+
+from pathlib import Path
+
+from loopjax import config as config_lib
+from loopjax.analysis import LM_ANALYSES
+
+PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
+# variant -> (model.num_loops, analyze.max_depth)
+FAMILIES = {
+  "huginn": (32, 64),
+  "ouro": (4, 16),
+  "retrofit": (4, 32),
+  "llama": (1, 4),
+  "olmo2": (1, 4),
+}
+
+
+def get_config(variant: str = "huginn"):
+  if variant not in FAMILIES:
+    raise ValueError(f"variant: must be one of {', '.join(FAMILIES)}; got {variant!r}")
+  c = config_lib.base()
+  c.variant = variant
+  c.data.update(task="lm", source=f"prompts:{PROMPTS}", text_field="question")
+  c.data.seq_len = 256  # a prompt's tokens beyond are cut
+  num_loops, depth = FAMILIES[variant]
+  c.model.update(num_loops=num_loops, dtype="bfloat16", hf_dir="")
+  c.analyze.update(names=LM_ANALYSES, max_depth=depth, batch_size=4)
+  c.mesh.devices = 1
+  return c

@@ -1,0 +1,134 @@
+"""A pretrained model from the command line (loopjax.pretrained.run): the MECH
+analyses on prompts and sampling, on the tiny checkpoints of tests/fixtures/hf,
+and bad input refused in one line before anything compiles."""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import pretrained
+from loopjax import config as config_lib
+from loopjax.errors import ConfigError
+from loopjax.pretrained import run
+from tests.conftest import run as run_cmd
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+
+
+def config(variant, fixture, **model):
+  c = pretrained.get_config(variant)
+  c.model.update(hf_dir=str(FIXTURES / fixture), dtype="float32", **model)
+  c.analyze.max_depth = 6
+  config_lib.validate(c)
+  return c
+
+
+def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
+  """Huginn on the 8 shipped questions, to 6 recurrences: per-layer fixed
+  points of the 2-layer core, stage statistics and attention per iteration,
+  each prompt a row whose padding no statistic counts; config recorded."""
+  c = config("huginn", "huginn")
+  written = run.analyze(c, tmp_path)
+  assert {p.name for p in written} >= {"fixed_points.json", "stages.png"}
+  fp = json.loads((tmp_path / "analysis" / "fixed_points.json").read_text())
+  assert fp["windows"] == 8 and fp["main_split"] == "prompts"
+  assert len(fp["fixed_points"]["prompts"]["layers"]) == 2  # per core layer
+  st = json.loads((tmp_path / "analysis" / "stages.json").read_text())["stages"]
+  assert st["prompts"]["num_loops"] == 6 and st["prompts"]["num_layers"] == 2
+  assert st["prompts"]["memory"]["batch"][0] == 4  # analyze.batch_size prompts
+  assert json.loads((tmp_path / "config.json").read_text())["model"]["hf_dir"]
+  c2 = config("huginn", "huginn", num_loops=8)  # the workdir holds another run
+  with pytest.raises(ConfigError, match="holds a run with another config"):
+    run.analyze(c2, tmp_path)
+
+
+def test_greedy_sampling_continues_as_the_full_forward_would():
+  """Ouro (its state-normed readout through the key/value cache): each greedy
+  token is the argmax of the full forward over the text so far."""
+  from loopjax.data import lm
+
+  c = config("ouro", "ouro")
+  text = run.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
+  _, model, _ = run.load_model(c)
+  tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
+  ids = lm.encode(tok, "how many apples")
+  m = model.module()
+  for _ in range(5):
+    ids.append(int(m(jnp.asarray([ids]), None)[0, -1].argmax()))
+  want = lm.tokenizer_from_json(tok).decode(ids, skip_special_tokens=True)
+  assert text == want and len(text) > len("how many apples")
+
+
+def test_prompts_rows_pad_on_the_right_and_mask_the_padding():
+  from loopjax.pretrained import prompts
+
+  c = config("llama", "llama_gqa")
+  tok = (FIXTURES / "llama_gqa" / "tokenizer.json").read_text()
+  task = prompts.task(c, tok, ["how many apples", "she has ten apples and two boxes"])
+  (batch,), n = prompts.batches(task, ["apples", "she has ten apples"], 4)
+  assert n == 2 and batch["inputs"].shape == (2, 4)  # <s> + 4 words, less one
+  np.testing.assert_array_equal(batch["real"][0], [True, True, False, False])
+  np.testing.assert_array_equal(batch["mask"][0], [1, 0, 0, 0])  # no next token
+  np.testing.assert_array_equal(batch["mask"][1], [1, 1, 1, 1])
+  assert batch["segments"][0, -1] != batch["segments"][0, 0]  # padding apart
+
+
+def _dir_with(tmp_path, fixture, edit=None, drop=()):
+  out = tmp_path / fixture
+  shutil.copytree(FIXTURES / fixture, out)
+  for name in drop:
+    (out / name).unlink()
+  if edit:
+    hf = json.loads((out / "config.json").read_text())
+    edit(hf)
+    (out / "config.json").write_text(json.dumps(hf))
+  return out
+
+
+def test_bad_prompts_tokenizers_and_splits_name_the_field(tmp_path):
+  c = config("llama", "llama_gqa")
+  bad = tmp_path / "p.jsonl"
+  bad.write_text('{"text": "no question field"}\n')
+  c.data.source = f"prompts:{bad}"
+  with pytest.raises(ConfigError, match=r"p.jsonl:1: not a JSON object with the pro"):
+    run.analyze(c, tmp_path / "wd")
+  c.data.source = f"prompts:{tmp_path / 'none.txt'}"
+  with pytest.raises(ConfigError, match="no prompts file"):
+    run.analyze(c, tmp_path / "wd")
+  c.data.source = pretrained.get_config("llama").data.source
+  c.model.hf_dir = str(_dir_with(tmp_path, "llama_gqa", drop=["tokenizer.json"]))
+  with pytest.raises(ConfigError, match="has no tokenizer.json"):
+    run.analyze(c, tmp_path / "wd")
+  small = _dir_with(tmp_path / "small", "llama_gqa")  # a 70-token tokenizer
+  tok = json.loads((small / "tokenizer.json").read_text())
+  tok["model"]["vocab"] |= {f"w{i}": 64 + i for i in range(6)}
+  (small / "tokenizer.json").write_text(json.dumps(tok))
+  c.model.hf_dir = str(small)
+  with pytest.raises(ConfigError, match="70 tokens do not fit the model's 64-row"):
+    run.analyze(c, tmp_path / "wd")
+  c.model.update(hf_dir=str(FIXTURES / "llama_gqa"), hf_split="2,x")
+  with pytest.raises(ConfigError, match="model.hf_split: must be 'prelude,core,coda'"):
+    run.analyze(c, tmp_path / "wd")
+  assert not (tmp_path / "wd").exists()  # nothing written
+
+
+def test_the_command_line_refuses_bad_input_with_one_line(tmp_path):
+  base = [sys.executable, "-m", "loopjax.main",
+          "--config=experiments/pretrained.py:ouro",
+          f"--workdir={tmp_path / 'wd'}", "--mode=analyze"]  # fmt: skip
+  unknown = _dir_with(tmp_path, "ouro", lambda hf: hf.update(model_type="gpt9"))
+  for extra, message in [
+    ([f"--config.model.hf_dir={unknown}"], "model_type must be one of"),
+    (["--config.model.hf_dir="], "model.hf_dir: a local Hugging Face model directory"),
+    ([f"--config.model.hf_dir={FIXTURES / 'ouro'}", "--mode=train"], "--mode=train"),
+  ]:
+    res = run_cmd(base + extra)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+  assert not (tmp_path / "wd").exists()
