@@ -7,7 +7,9 @@ a 4096-token vocabulary, on every machine, offline); any local text
 (`text:GLOB`) or prepared TFDS text dataset (`tfds:NAME`) works the same.
 Variants: `tiny` (seconds: tests), `cpu` (the default: a 2-core CPU),
 `study` (`cpu` at 1000 steps: the from-scratch study's base), `gpu` (the shape
-a GPU or TPU user starts from, bf16).
+a GPU or TPU user starts from, bf16), `retrofit` (a pretrained feedforward
+model made recurrent, below) and `retrofit_tiny` (`retrofit` in seconds on a
+tiny checkpoint: tests).
 
 The from-scratch study (MECH): `sweep("study")` varies one factor at a time
 from `study` (injection add, pre-norm, 2 x 4): input injection, norm placement
@@ -24,10 +26,39 @@ evaluated to 32 iterations, 4x the largest R (docs/results/lm_study.md):
   python -m loopjax.bench step --config=experiments/lm.py --torch
   python -m loopjax.main --config=experiments/lm.py:gpu --workdir=/shared/runs/lm_gpu \\
       --config.data.source=tfds:lm1b
+
+Retrofitted recurrence (McLeish et al. 2025, LoopedLMs/retrofitting-recurrence):
+`model.init_from=hf:DIR` starts from a pretrained Llama or OLMo 2, its layers
+placed as prelude, core and coda by `model.hf_split`, the core applied R times
+after the concat adapter, which starts at [0 | I] (loopjax/pretrained/
+init_from.py). As its scripts (shells/tinyllama.sh, llama.sh, olmo.sh): R
+sampled per batch, Poisson with a log-normal rate (sigma 0.5) around a mean
+of 4, backprop through every iteration (their backprop depth 8 exceeds the
+mean); the first state a truncated normal of Huginn-0125's std; AdamW at lr
+5e-5, weight decay 1e-4 on every parameter, betas (0.9, 0.95), gradients
+clipped at 1.0, 1024-token sequences, bf16 compute on float32 masters.
+Not reproduced: their mean-R curriculum (1 up to 4 over the first 25-75% of
+steps), the warmup-stable-decay schedule (cosine here) and Muon.
+
+Their splits drop layers: TinyLlama's 4,8,4 keeps layers 0-3, 10-17 and 18-21
+of its 22 (convert_llama.py), Llama 3.2 1B's 2,4,2 eight of its 16. loopjax's
+split places every layer, so the default keeps TinyLlama's prelude and coda of
+4 with the 14 layers between them as the core. Llama 3.2 (its llama3 RoPE
+rescaling) and models whose embedding has more rows than their tokenizer has
+tokens (OLMo 2's) are refused in one line for now.
+
+  python -m loopjax.main --config=experiments/lm.py:retrofit --workdir=runs/retro \
+      --config.model.init_from=hf:$HOME/models/TinyLlama-1.1B-intermediate-step-1431k-3T \
+      --config.data.source='text:corpus/*.txt'
 """
+
+import math
 
 from loopjax import config as config_lib
 from loopjax.analysis import LM_ANALYSES
+
+# The first state's std: the converters keep Huginn-0125's (its 5280 width).
+HUGINN_STATE_STD = math.sqrt(2 / (5 * 5280))
 
 
 def get_config(variant: str = "cpu"):
@@ -92,9 +123,55 @@ def get_config(variant: str = "cpu"):
     c.analyze.update(max_depth=16, batch_size=4)
     c.checkpoint.update(every=2000, keep_every=20_000)
     c.eval_every = 1000
+  elif variant in ("retrofit", "retrofit_tiny"):
+    retrofit(c, tiny=variant == "retrofit_tiny")
   else:
-    raise ValueError(f"variant: must be one of tiny, cpu, study, gpu; got {variant!r}")
+    raise ValueError(
+      "variant: must be one of tiny, cpu, study, gpu, retrofit, retrofit_tiny; "
+      f"got {variant!r}"
+    )
   return c
+
+
+def retrofit(c, tiny: bool) -> None:
+  """Retrofitted recurrence's recipe (the docstring); `tiny`: on a 3-layer
+  checkpoint (tests/fixtures/hf), in seconds."""
+  # The model's tokenizer adds <bos> itself (its post-processor), as it trained.
+  c.data.update(seq_len=1024, bos=False, valid_sequences=64)
+  c.model.update(
+    hf_split="4,14,4",
+    injection="concat",
+    init_state="trunc_normal",
+    init_state_std=HUGINN_STATE_STD,
+    num_loops=4,  # evaluations' R: the trained mean
+    dtype="bfloat16",
+    remat="full",
+  )
+  c.train.update(
+    batch_size=32,
+    num_steps=25_000,
+    lr=5e-5,
+    warmup_steps=125,
+    weight_decay=1e-4,
+    decay="all",
+    b2=0.95,
+  )
+  c.train.depth.update(dist="lognormal_poisson", mean=4.0, min=1, max=8, sigma=0.5)
+  c.eval.update(batch_size=16, depths=(16,))
+  c.analyze.update(max_depth=32, batch_size=4)
+  c.checkpoint.update(every=1000, keep_every=5000)
+  c.eval_every = 1000
+  if tiny:
+    c.data.update(seq_len=16, valid_sequences=8)
+    c.model.update(hf_split="1,1,1", num_loops=2, dtype="float32", remat="none")
+    c.mesh.devices = 1
+    c.train.update(batch_size=4, num_steps=8, lr=3e-3, warmup_steps=2)
+    c.train.depth.update(mean=2.0, max=3)
+    c.eval.update(batch_size=8, depths=(3,))
+    c.analyze.update(max_depth=4, lm_windows=4)
+    c.checkpoint.update(every=4, keep_every=0)
+    c.eval_every = 4
+    c.log_every = 1
 
 
 def sweep(name: str = "study"):

@@ -23,7 +23,15 @@ Variants (the family's recurrences and analysis depth; bf16):
 `--config.data.source=prompts:FILE` (one prompt per line, or JSONL with the
 prompt under data.text_field) replaces the 8 arithmetic questions shipped in
 experiments/prompts; `--config.model.hf_split=2,4,2` re-splits a feedforward
-model (retrofitting's layout at R 1 is the same function).
+model (retrofitting's layout at R 1 is the same function). On a CPU host,
+`--config.model.dtype=float32`: XLA:CPU computes bf16 matmuls by converting
+the weights to float32 first, so bf16 needs more memory there, not less.
+Memory on a target mesh, from config.json alone (experiments/hf_shapes holds
+the published models' shapes):
+
+  python -m loopjax.aot --config=experiments/pretrained.py:huginn --devices=8 \
+      --config.model.hf_dir=experiments/hf_shapes/huginn-0125 \
+      --config.mesh.data=1 --config.mesh.fsdp=8
 """
 
 from pathlib import Path
@@ -32,13 +40,16 @@ from loopjax import config as config_lib
 from loopjax.analysis import LM_ANALYSES
 
 PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
-# variant -> (model.num_loops, analyze.max_depth)
+# variant -> (model.num_loops, analyze.max_depth, analyze.batch_size): the
+# analysis pass holds every layer of the block's outputs and attention weights
+# for a few iterations, so Ouro's 48-layer block analyzes one prompt at a time
+# (python -m loopjax.aot: docs/results/pretrained.md)
 FAMILIES = {
-  "huginn": (32, 64),
-  "ouro": (4, 16),
-  "retrofit": (4, 32),
-  "llama": (1, 4),
-  "olmo2": (1, 4),
+  "huginn": (32, 64, 4),
+  "ouro": (4, 16, 1),
+  "retrofit": (4, 32, 4),
+  "llama": (1, 4, 4),
+  "olmo2": (1, 4, 4),
 }
 
 
@@ -49,8 +60,8 @@ def get_config(variant: str = "huginn"):
   c.variant = variant
   c.data.update(task="lm", source=f"prompts:{PROMPTS}", text_field="question")
   c.data.seq_len = 256  # a prompt's tokens beyond are cut
-  num_loops, depth = FAMILIES[variant]
+  num_loops, depth, batch = FAMILIES[variant]
   c.model.update(num_loops=num_loops, dtype="bfloat16", hf_dir="")
-  c.analyze.update(names=LM_ANALYSES, max_depth=depth, batch_size=4)
+  c.analyze.update(names=LM_ANALYSES, max_depth=depth, batch_size=batch)
   c.mesh.devices = 1
   return c

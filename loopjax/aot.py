@@ -10,6 +10,13 @@ config). Mesh, rule and shape errors show here instead of on pod time; the
 report gives each device's memory for the step (arguments = its shard of the
 state and batch, temporaries, outputs; XLA:CPU's accounting, a guide for an
 accelerator's) and the specs of the largest parameters.
+
+A pretrained model (`model.hf_dir`, of which only config.json is read:
+experiments/hf_shapes holds the published models' shapes) instead compiles
+its analysis pass and forward (`check_pretrained`):
+
+  python -m loopjax.aot --config=experiments/pretrained.py:huginn --devices=1 \
+      --config.model.hf_dir=experiments/hf_shapes/huginn-0125 --config.mesh.data=1
 """
 
 import os
@@ -25,6 +32,62 @@ FLAGS = flags.FLAGS
 
 def _gib(n: int) -> str:
   return f"{n / 2**30:.3f} GiB"
+
+
+def check_pretrained(config, num_devices: int) -> dict:
+  """A pretrained model's (`model.hf_dir`: config.json is all it reads):
+  lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
+  recurrences over analyze.batch_size prompts of data.seq_len tokens, and
+  the forward at model.num_loops, its params in model.dtype sharded by the
+  rules; returns their memory reports."""
+  import jax
+  import numpy as np
+
+  from loopjax import sharding
+  from loopjax.analysis import depth_scan
+  from loopjax.pretrained import load, run
+
+  m, rules = config.model, tuple(config.sharding.rules)
+  config.mesh.devices = num_devices
+  mesh = sharding.make_mesh(config.mesh)
+  cfg, model = load.abstract(
+    m.hf_dir, m, run.split(config), m.num_loops, m.dtype, mesh, rules
+  )
+  B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
+  tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)
+  batch = {
+    "inputs": tokens,
+    "targets": tokens,
+    "mask": jax.ShapeDtypeStruct((B, T), np.float32, sharding=put),
+    "segments": tokens,
+    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put),
+  }
+
+  def analysis(model, batch):
+    with sharding.active(mesh, rules):
+      key = jax.random.key(config.seed)  # a random first state (Huginn's)
+      return depth_scan.run(model.module(), batch, config.analyze.max_depth, key)
+
+  def forward(model, tokens_BT):
+    with sharding.active(mesh, rules):
+      key = jax.random.key(config.seed)
+      return model.module()(tokens_BT, None, num_loops=cfg.num_loops, key=key)
+
+  passes = {
+    f"analysis, {config.analyze.max_depth} recurrences": (analysis, batch),
+    f"forward, {cfg.num_loops} recurrences": (forward, tokens),
+  }
+  out = {"mesh": dict(mesh.shape), "batch": [B, T], "passes": {}}
+  for name, (fn, arg) in passes.items():
+    mem = jax.jit(fn).lower(model, arg).compile().memory_analysis()
+    out["passes"][name] = {
+      "arguments": mem.argument_size_in_bytes,
+      "temporaries": mem.temp_size_in_bytes,
+      "outputs": mem.output_size_in_bytes,
+    }
+  params = jax.tree_util.tree_flatten_with_path(model.params)[0]
+  out["params"] = sum(int(np.prod(x.shape)) for _, x in params)
+  return out
 
 
 def check(config, num_devices: int) -> dict:
@@ -73,10 +136,23 @@ def main(argv):
   config = FLAGS.config
   try:
     config_lib.validate(config)
-    report = check(config, FLAGS.devices)
+    if config.model.hf_dir:
+      report = check_pretrained(config, FLAGS.devices)
+    else:
+      report = check(config, FLAGS.devices)
   except ConfigError as e:
     exit_with(str(e))
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  if config.model.hf_dir:
+    print(
+      f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
+      f"{config.model.dtype}, batch {report['batch'][0]} x {report['batch'][1]} "
+      f"tokens, mesh {mesh} ({FLAGS.devices} CPU devices)"
+    )
+    print("memory per device (XLA:CPU): arguments, temporaries, outputs")
+    for name, mem in report["passes"].items():
+      print(f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in mem))
+    return
   print(f"compiled the train step for mesh {mesh} ({FLAGS.devices} CPU devices)")
   print("memory per device (XLA:CPU):")
   for k in ("arguments", "temporaries", "outputs"):

@@ -111,9 +111,13 @@ def base() -> ml_collections.ConfigDict:
     tie_embeddings=True,
     # A pretrained model (loopjax/pretrained): a local Hugging Face directory
     # whose config.json sets every shape field above; hf_split "p,c,k" places a
-    # feedforward model's layers as prelude, core and coda.
+    # feedforward model's layers as prelude, core and coda. hf_dir: analyzed or
+    # sampled as it is; init_from "hf:DIR": a training run starts from DIR's
+    # Llama or OLMo 2, which also sets data.tokenizer and data.vocab_size
+    # (pretrained/init_from.py).
     hf_dir="",
     hf_split="",
+    init_from="",
     remat="none",
     scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
@@ -333,6 +337,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
         )
   d, m, t, a = c.data, c.model, c.train, c.analyze
   check(c, _BOUNDS)
+  if m.init_from:
+    task_checks.init_from(c)
+  elif m.hf_split and not m.hf_dir:
+    raise ConfigError(
+      "model.hf_split: needs model.init_from or model.hf_dir (the pretrained "
+      f"model whose layers it places); got {m.hf_split!r}"
+    )
   if m.hf_dir or d.source.startswith("prompts:"):
     task_checks.pretrained(c)
   elif d.task == "lm":

@@ -161,6 +161,7 @@ def main(argv):
   import jax
 
   from loopjax import analyze, evaluate, follow, sample, sharding, train
+  from loopjax.pretrained import init_from
 
   try:
     sharding.initialize(
@@ -177,6 +178,8 @@ def main(argv):
       f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
     )
   try:
+    if config is not None and FLAGS.mode != "train":  # as training recorded it
+      config = init_from.resolve(config)
     if config is not None and config.model.hf_dir:
       _pretrained(config, workdir)
     elif FLAGS.mode == "train":

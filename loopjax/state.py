@@ -45,14 +45,16 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   )
 
 
-def init_state(model, tx, seed: int):
+def init_state(model, tx, seed: int, params=None):
   """(graphdef, state); params are a plain dict of arrays, not nnx Variables.
+  `params`: values for some of the model's top-level params (a pretrained
+  model's, `pretrained.init_from`); the others keep the model's init.
 
   Plain dicts flatten and unflatten several times faster than Variable trees,
   which is host time on every step call; `nnx.merge` takes them as they are.
   """
-  graphdef, params = nnx.split(model, nnx.Param)
-  params = nnx.to_pure_dict(params)
+  graphdef, own = nnx.split(model, nnx.Param)
+  params = nnx.to_pure_dict(own) | (params or {})
   state = {
     "params": params,
     "opt_state": tx.init(params),
@@ -62,34 +64,35 @@ def init_state(model, tx, seed: int):
   return graphdef, state
 
 
-def train_state(config, task):
-  """(graphdef, initial train state, optimizer) for a config and its task data;
-  a curriculum run's state also holds its stage."""
+def train_state(config, task, params=None):
+  """(graphdef, initial train state, optimizer) for a config and its task data
+  (`params`: see `init_state`); a curriculum run's state also holds its stage."""
   model = build_model(config.model, *data.model_dims(task), config.seed)
   tx = make_optimizer(config.train)
-  graphdef, state = init_state(model, tx, config.seed)
+  graphdef, state = init_state(model, tx, config.seed, params)
   if config.train.curriculum.enabled:
     state["stage"] = jnp.int32(config.train.curriculum.start)
   return graphdef, state, tx
 
 
-def sharded_train_state(config, task, mesh, abstract: bool = False):
+def sharded_train_state(config, task, mesh, abstract: bool = False, params=None):
   """`train_state` created already sharded on `mesh`: the state's shapes come
   from an abstract init, their shardings from the logical-axis rules, and a
   jitted init writes each shard where it lives (no full copy on one device).
   Returns (graphdef, state, optimizer, the state's shardings); `abstract`:
   the state as ShapeDtypeStructs with shardings, nothing computed (restore
-  targets, ahead-of-time compiles)."""
+  targets, ahead-of-time compiles); `params`: host arrays for some top-level
+  params (`init_state`), each process putting its shards of them in place."""
   abstract_model = nnx.eval_shape(
     lambda: build_model(config.model, *data.model_dims(task), config.seed)
   )
   graphdef = nnx.split(abstract_model, nnx.Param)[0]
   tx = make_optimizer(config.train)
 
-  def init():
-    return train_state(config, task)[1]
+  def init(given):
+    return train_state(config, task, given)[1]
 
-  shapes = jax.eval_shape(init)
+  shapes = jax.eval_shape(init, params)
   shardings = sharding.state_shardings(
     shapes, sharding.param_axes(abstract_model), tx, mesh, config.sharding.rules
   )
@@ -100,8 +103,19 @@ def sharded_train_state(config, task, mesh, abstract: bool = False):
       shardings,
     )
   else:
-    state = jax.jit(init, out_shardings=shardings)()
+    given = None if params is None else _put(params, shardings["params"])
+    state = jax.jit(init, out_shardings=shardings, donate_argnums=0)(given)
   return graphdef, state, tx, shardings
+
+
+def _put(params, shardings):
+  """Host arrays for some top-level params as global arrays with their
+  `shardings` (all the params'): each process puts only its own shards."""
+  return jax.tree.map(
+    lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
+    params,
+    {k: shardings[k] for k in params},
+  )
 
 
 def eval_key(config):

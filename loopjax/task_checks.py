@@ -4,9 +4,11 @@ Kept apart from the tasks' modules so that validating a config imports no
 data libraries: a bad value fails in a fraction of a second.
 """
 
+from pathlib import Path
+
 from loopjax.errors import ConfigError
 
-MIN_VOCAB = 259  # a byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
+MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
 
 
 def chains(c) -> None:
@@ -63,7 +65,7 @@ def lm(c) -> None:
       "data.source: must be 'stdlib', 'text:GLOB' or 'tfds:NAME[:CONFIG]' for "
       f"data.task 'lm'; got {d.source!r}"
     )
-  if d.vocab_size < MIN_VOCAB:
+  if not d.tokenizer and d.vocab_size < MIN_VOCAB:  # a given one: its own size
     raise ConfigError(
       f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "
       f"got {d.vocab_size}"
@@ -99,3 +101,39 @@ def pretrained(c) -> None:
     )
   if d.seq_len < 2:
     raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")
+
+
+def hf_path(init_from: str) -> Path:
+  """DIR of `model.init_from` "hf:DIR"."""
+  return Path(init_from.removeprefix("hf:")).expanduser()
+
+
+def init_from(c) -> None:
+  """The fields a run started from a pretrained model reads
+  (`loopjax.pretrained.init_from`); its tensors, layer split and tokenizer
+  size are checked where they are read, still before anything compiles."""
+  d, m = c.data, c.model
+  if not m.init_from.startswith("hf:"):
+    raise ConfigError(
+      "model.init_from: must be '' or 'hf:DIR' (a local Hugging Face model "
+      f"directory); got {m.init_from!r}"
+    )
+  path = hf_path(m.init_from)
+  for name in ("config.json", "tokenizer.json"):
+    if not (path / name).is_file():
+      raise ConfigError(f"model.init_from: {path} has no {name}")
+  if m.hf_dir or d.task != "lm":
+    raise ConfigError(
+      "model.init_from: trains a language model (data.task 'lm', no "
+      f"model.hf_dir); got task {d.task!r}, hf_dir {m.hf_dir!r}"
+    )
+  if not m.hf_split:
+    raise ConfigError(
+      "model.hf_split: required with model.init_from: prelude,core,coda layer "
+      "counts that add up to the model's layers, e.g. 1,1,1 for 3"
+    )
+  if d.tokenizer and Path(d.tokenizer).expanduser() != path / "tokenizer.json":
+    raise ConfigError(
+      f"data.tokenizer: must be '' or {path / 'tokenizer.json'} with "
+      f"model.init_from (the model's own, set from it); got {d.tokenizer!r}"
+    )

@@ -29,6 +29,7 @@ from loopjax import (
 from loopjax import data as data_lib
 from loopjax.analysis import grokking
 from loopjax.errors import ConfigError, first_line
+from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state
 from loopjax.workdir import Workdir
 
@@ -137,6 +138,7 @@ def train_iterator(config, task, rows):
 
 def train_and_evaluate(config, workdir) -> dict:
   """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
+  config = init_from.resolve(config)  # a pretrained model's shapes, recorded as such
   wd = Workdir(workdir)
   wd.check(config)
   task = data_lib.load(config.data)  # bad data settings fail before the workdir exists
@@ -152,14 +154,21 @@ def train_and_evaluate(config, workdir) -> dict:
 
 def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   mesh, rules, rows = placement
-  graphdef, state, tx, shardings = sharded_train_state(config, task, mesh)
+  mngr = wd.checkpoints(config.checkpoint)
+  # A pretrained model's params start a fresh run; a resumed one restores its own.
+  fresh = config.model.init_from and not mngr.all_steps()
+  graphdef, state, tx, shardings = sharded_train_state(
+    config, task, mesh, params=init_from.params(config) if fresh else None
+  )
+  if fresh:
+    m = config.model
+    print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
   train_step = make_train_step(config, graphdef, tx, mesh, shardings)
   batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
   evaluator = evaluate.make_evaluator(
     config, task, graphdef, mesh=mesh, param_shardings=shardings["params"]
   )
   train_iter = train_iterator(config, task, rows)
-  mngr = wd.checkpoints(config.checkpoint)
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
     state = restored

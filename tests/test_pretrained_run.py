@@ -22,7 +22,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 def config(variant, fixture, **model):
   c = pretrained.get_config(variant)
-  c.model.update(hf_dir=str(FIXTURES / fixture), dtype="float32", **model)
+  c.model.update(hf_dir=str(FIXTURES / fixture), dtype="float32")
+  c.model.update(model)
   c.analyze.max_depth = 6
   config_lib.validate(c)
   return c
@@ -132,3 +133,50 @@ def test_the_command_line_refuses_bad_input_with_one_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
   assert not (tmp_path / "wd").exists()
+
+
+def test_a_model_loads_into_its_shards_and_computes_the_same():
+  """On a 2 x 2 x 2 mesh each tensor goes straight to its shards (the
+  embedding split over tensor and fsdp) and the logits are unchanged."""
+  import jax
+
+  from loopjax import sharding
+  from loopjax.pretrained.load import load
+
+  c = config("huginn", "huginn")
+  c.mesh.update(data=2, fsdp=2, tensor=2, devices=8)
+  mesh, rules = sharding.make_mesh(c.mesh), tuple(c.sharding.rules)
+  _, model = load(
+    c.model.hf_dir, c.model, None, 3, overrides={"init_state": "zeros"},
+    mesh=mesh, rules=rules,
+  )  # fmt: skip
+  embed = model.params["embed"][...]
+  assert tuple(embed.sharding.spec) == ("tensor", "fsdp")
+  assert embed.addressable_shards[0].data.shape == (32, 16)
+  ref = np.load(FIXTURES / "huginn" / "reference.npz")
+  out = jax.jit(lambda m, t: m.module()(t, None, num_loops=3))(model, ref["ids"])
+  np.testing.assert_allclose(out, ref["logits_3"], atol=1e-4)
+
+
+def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
+  """config.json without weights: the analysis pass and the forward compile
+  on the target mesh; sharding the params 4 ways divides their bytes nearly
+  by 4 (norm scales and biases stay whole: a third of this tiny model's)."""
+  import jax
+
+  from loopjax import aot
+
+  shape_only = tmp_path / "huginn"
+  shape_only.mkdir()
+  shutil.copy(FIXTURES / "huginn" / "config.json", shape_only)
+  reports = []
+  for fsdp in (1, 4):
+    c = config("huginn", "huginn", hf_dir=str(shape_only))
+    c.mesh.update(data=1, fsdp=fsdp, tensor=1)
+    reports.append(aot.check_pretrained(c, fsdp))
+  one, four = (r["passes"]["analysis, 6 recurrences"] for r in reports)
+  _, model, _ = run.load_model(config("huginn", "huginn"))
+  sizes = [x.size for x in jax.tree.leaves(model.params)]
+  assert reports[0]["params"] == sum(sizes)  # every param, none twice
+  assert 2.5 < one["arguments"] / four["arguments"] <= 4.0
+  assert one["temporaries"] > 0

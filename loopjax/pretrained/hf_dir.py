@@ -39,9 +39,9 @@ def check_config(hf: dict, architecture: str, fixed: dict) -> None:
 
 class HfDir:
   """`config` (config.json as a dict) and the tensors, as `dtype` arrays
-  (`take`), each read when asked for."""
+  (`take`), each read when asked for; weights=False: config.json alone."""
 
-  def __init__(self, path, dtype: str = "float32"):
+  def __init__(self, path, dtype: str = "float32", weights: bool = True):
     self.path, self.dtype = Path(path), jnp.dtype(dtype)
     if not (self.path / "config.json").is_file():
       raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
@@ -49,7 +49,7 @@ class HfDir:
       self.config = json.loads((self.path / "config.json").read_text())
     except json.JSONDecodeError as e:
       raise ConfigError(f"{self.path / 'config.json'}: not JSON ({e})") from e
-    self.files = self._weight_map()
+    self.files = self._weight_map() if weights else {}
     self._open: dict[str, object] = {}
     self.used: set[str] = set()
 

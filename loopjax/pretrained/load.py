@@ -4,7 +4,9 @@ config.json, the model config, and the params mapped by name."""
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
+from loopjax import sharding
 from loopjax.errors import ConfigError
 from loopjax.pretrained import llama, ouro, retrofit
 from loopjax.pretrained.hf_dir import HfDir
@@ -20,15 +22,14 @@ FAMILIES = {
 }
 
 
-def load(path, base, split=None, num_loops=None, dtype=None, overrides=None):
-  """(model config, Model) of the directory `path`; `base`: the `model`
-  section the family's fields are set on (its `dtype` the params' and the
-  compute dtype unless `dtype` is given: bfloat16 keeps a 3.5B model at 7 GB
-  on the host); `split`, `num_loops`: see the family's `model_config`;
-  `overrides`: model fields set after the family's (e.g. init_state "zeros"
-  for a deterministic first state)."""
+def resolve(path, base, split=None, num_loops=None, dtype=None, weights=True):
+  """(HfDir, family module, model config, vocab size, max length) of the
+  directory `path`; `base`: the `model` section the family's fields are set
+  on, its `dtype` the params' and compute dtype unless `dtype` is given;
+  `split`, `num_loops`: see the family's `model_config`; weights=False: a
+  directory of config.json only (a published model's shape, for `aot`)."""
   dtype = dtype or base.dtype
-  hf = HfDir(path, dtype)
+  hf = HfDir(path, dtype, weights=weights)
   kind = hf.config.get("model_type")
   if kind not in FAMILIES:
     raise ConfigError(
@@ -39,16 +40,60 @@ def load(path, base, split=None, num_loops=None, dtype=None, overrides=None):
   if callable(family):
     family = family(hf)
   cfg, vocab_size, max_len = family.model_config(hf.config, base, split, num_loops)
-  cfg.update(overrides or {})
   cfg.dtype = dtype
-  abstract = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
-  graphdef, state = nnx.split(abstract)
+  return hf, family, cfg, vocab_size, max_len
+
+
+def load(
+  path, base, split=None, num_loops=None, dtype=None, overrides=None, mesh=None,
+  rules=(),
+):  # fmt: skip
+  """(model config, Model) of the directory `path` (see `resolve`);
+  `overrides`: model fields set after the family's (e.g. init_state "zeros"
+  for a deterministic first state). bfloat16 keeps a 3.5B model at 7 GB on
+  the host, each tensor read once and, on a `mesh`, put straight into its
+  shards by the logical-axis `rules` (the host holds it until all are put)."""
+  hf, family, cfg, vocab_size, max_len = resolve(path, base, split, num_loops, dtype)
+  cfg.update(overrides or {})
+  shapes = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
+  graphdef, state = nnx.split(shapes)
   pure = family.params(hf, cfg, vocab_size)
   if left := hf.unused():  # a tensor left over is an error, as a missing one is
     raise ConfigError(f"{hf.path}: unexpected tensor {left[0]}")
   want = jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(state))
   got = jax.tree.map(lambda a: tuple(a.shape), pure)
   if want != got:  # a mapping bug, not bad input: the family and model disagree
-    raise ValueError(f"{kind}: params do not match the model: {got} vs {want}")
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, pure))
-  return cfg, Model(graphdef, state, dtype)
+    raise ValueError(
+      f"{hf.config['model_type']}: params do not match the model: {got} vs {want}"
+    )
+  if mesh is not None:
+    pure = jax.tree.map(jax.device_put, pure, _shardings(shapes, mesh, rules))
+  else:
+    pure = jax.tree.map(jnp.asarray, pure)
+  nnx.replace_by_pure_dict(state, pure)
+  return cfg, Model(graphdef, state, cfg.dtype)
+
+
+def abstract(path, base, split=None, num_loops=None, dtype=None, mesh=None, rules=()):
+  """(model config, Model) of a directory's config.json alone: every param a
+  ShapeDtypeStruct, sharded on `mesh` by `rules` (ahead-of-time compiles)."""
+  _, _, cfg, vocab_size, max_len = resolve(path, base, split, num_loops, dtype, False)
+  shapes = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
+  graphdef, state = nnx.split(shapes)
+  pure = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, jnp.dtype(cfg.dtype), sharding=s),
+    nnx.to_pure_dict(state),
+    _shardings(shapes, mesh, rules),
+  )
+  nnx.replace_by_pure_dict(state, pure)
+  return cfg, Model(graphdef, state, cfg.dtype)
+
+
+def _shardings(shapes, mesh, rules) -> dict:
+  """Each param's NamedSharding on `mesh`, by its logical axes and `rules`."""
+  return jax.tree.map(
+    lambda a, x: NamedSharding(mesh, sharding.spec(a, rules, x.shape, mesh)),
+    sharding.param_axes(shapes),
+    nnx.to_pure_dict(nnx.state(shapes, nnx.Param)),
+    is_leaf=lambda a: isinstance(a, tuple),
+  )

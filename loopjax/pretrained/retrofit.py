@@ -176,8 +176,10 @@ OLMO2 = SimpleNamespace(
 def family(hf_dir):
   """The family of a huginn_raven directory, from its tensors: `huginn` for
   Huginn-0125's own blocks (four norms each), else the retrofitted OLMo 2
-  (q / k norms) or Llama."""
+  (q / k norms) or Llama; from config.json alone, Huginn or Llama."""
   names = hf_dir.files
+  if not names:  # config.json alone (a shape for `aot`): retrofitting sets RoPE's
+    return LLAMA if "rope_theta" in hf_dir.config else huginn  # base as rope_theta
   if any(n.endswith(".norm_4.weight") for n in names):
     return huginn
   return OLMO2 if any(n.endswith(".attn.q_norm.weight") for n in names) else LLAMA

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from flax import nnx
 
-from loopjax import analyze_lm
+from loopjax import analyze_lm, sharding
 from loopjax import config as config_lib
 from loopjax import sample as sample_lib
 from loopjax.data import lm
@@ -38,9 +38,13 @@ def split(config):
 
 
 def load_model(config):
-  """(model config, Model, vocab size) of `model.hf_dir`."""
-  m = config.model
-  cfg, model = load(m.hf_dir, m, split(config), m.num_loops, m.dtype)
+  """(model config, Model, vocab size) of `model.hf_dir`, its params put
+  straight into their shards on the run's mesh (`mesh`, `sharding.rules`)."""
+  m, rules = config.model, tuple(config.sharding.rules)
+  mesh = sharding.make_mesh(config.mesh)
+  cfg, model = load(
+    m.hf_dir, m, split(config), m.num_loops, m.dtype, mesh=mesh, rules=rules
+  )
   return cfg, model, nnx.to_pure_dict(model.params)["embed"].shape[0]
 
 

@@ -1,0 +1,80 @@
+"""`model.init_from=hf:DIR`: a looped language model's training run that starts
+from a pretrained feedforward Llama or OLMo 2 (retrofitted recurrence,
+McLeish et al. 2025).
+
+`resolve` sets the run's model shape (widths, heads, MLP, norms, RoPE, layer
+counts, tied head) and its tokenizer from DIR, so the workdir's config.json
+records what trains; `model.hf_split` "p,c,k" places DIR's layers as prelude,
+core and coda. The looped options stay the run's: R and its sampling, the
+injection, the first state. A fresh run's params are DIR's (`params`); a run
+that resumes restores its own checkpoint and never reads DIR's tensors.
+
+The concat adapter, which DIR lacks, starts as retrofitting's OLMo converter
+sets it: [0 | I], the state's half zero and the input's the identity, so each
+iteration starts from the prelude's output whatever the state, and at step 0
+the looped model is DIR's model at every R (its Llama converter leaves torch's
+random init, which makes even R = 1 another function). With injection add or
+none, the state enters as those options say.
+"""
+
+import jax
+import numpy as np
+from flax import nnx
+
+from loopjax.data import lm
+from loopjax.errors import ConfigError
+from loopjax.pretrained import llama, run
+from loopjax.pretrained.hf_dir import HfDir
+from loopjax.pretrained.load import load
+from loopjax.task_checks import hf_path
+
+# `model` fields the family's config sets to a feedforward model's values that
+# a looped run chooses itself.
+LOOPED = ("injection", "init_state", "state_norm", "exit_gate")
+
+
+def resolve(config):
+  """`config` with DIR's model shape, data.tokenizer and data.vocab_size (a
+  copy; a config without init_from as it is). Reads config.json and the
+  tokenizer, no tensor: a split that does not add up, or a tokenizer whose
+  size is not the embedding's, fails here, before anything compiles."""
+  m = config.model
+  if not m.init_from:
+    return config
+  path = hf_path(m.init_from)
+  hf = HfDir(path).config
+  if hf.get("model_type") not in llama.LAYOUTS:
+    raise ConfigError(
+      f"model.init_from: {path} must hold a feedforward {' or '.join(llama.LAYOUTS)} "
+      f"model; got model_type {hf.get('model_type')!r}"
+    )
+  cfg, vocab_size, _ = llama.model_config(hf, m, run.split(config), m.num_loops)
+  tokenizer = path / "tokenizer.json"
+  try:
+    n = lm.tokenizer_from_json(tokenizer.read_text()).get_vocab_size()
+  except Exception as e:  # not a tokenizer.json
+    raise ConfigError(
+      f"model.init_from: {tokenizer} does not load as a tokenizer ({type(e).__name__})"
+    ) from None
+  if n != vocab_size:
+    raise ConfigError(
+      f"data.tokenizer: {tokenizer} has {n} tokens but {path}'s embedding has "
+      f"{vocab_size} rows; a run needs one size for both"
+    )
+  out = config.copy_and_resolve_references()
+  out.model.update({k: v for k, v in cfg.items() if k not in LOOPED})
+  out.data.update(tokenizer=str(tokenizer), vocab_size=vocab_size)
+  return out
+
+
+def params(config) -> dict:
+  """DIR's params as the resolved `config`'s model holds them: host float32
+  arrays (the run's masters), the concat adapter [0 | I] with a zero bias."""
+  m = config.model
+  _, model = load(hf_path(m.init_from), m, run.split(config), m.num_loops, "float32")
+  pure = jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
+  if m.injection == "concat":  # rows: the state's D, then the input's D
+    D = m.d_model
+    pure["adapter"] = np.eye(2 * D, D, -D, np.float32)
+    pure["adapter_b"] = np.zeros(D, np.float32)
+  return pure
