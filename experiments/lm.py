@@ -55,7 +55,7 @@ tokens (OLMo 2's) are refused in one line for now.
 import math
 
 from loopjax import config as config_lib
-from loopjax.analysis import LM_ANALYSES
+from loopjax.analysis import LM_STREAMED
 
 # The first state's std: the converters keep Huginn-0125's (its 5280 width).
 HUGINN_STATE_STD = math.sqrt(2 / (5 * 5280))
@@ -72,7 +72,7 @@ def get_config(variant: str = "cpu"):
     tie_embeddings=True,
   )
   # --mode=analyze: fixed points, stages and attention to 4R iterations.
-  c.analyze.update(names=LM_ANALYSES, batch_size=8)
+  c.analyze.update(names=LM_STREAMED, batch_size=8)
   c.bench = dict(warmup=5, steps=10, repeats=3)  # python -m loopjax.bench step
   c.train.update(
     schedule="cosine",

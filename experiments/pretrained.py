@@ -37,9 +37,12 @@ the published models' shapes):
 from pathlib import Path
 
 from loopjax import config as config_lib
-from loopjax.analysis import LM_ANALYSES
+from loopjax.analysis import LM_ANALYSES, LM_STREAMED
 
 PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
+# Huginn's exit criteria (its names: kl, entropy-diff, latent-diff, cosine,
+# argmax-stability) as loopjax.halting's
+HUGINN_EXITS = ("kl_reverse", "entropy_diff", "latent_diff", "cosine", "argmax")
 # variant -> (model.num_loops, analyze.max_depth, analyze.batch_size): the
 # analysis pass holds every layer of the block's outputs and attention weights
 # for a few iterations, so Ouro's 48-layer block analyzes one prompt at a time
@@ -63,5 +66,16 @@ def get_config(variant: str = "huginn"):
   num_loops, depth, batch = FAMILIES[variant]
   c.model.update(num_loops=num_loops, dtype="bfloat16", hf_dir="")
   c.analyze.update(names=LM_ANALYSES, max_depth=depth, batch_size=batch)
+  # `halting`: each token's exit under the family's own rules, up to R
+  if variant == "ouro":  # its gate; 1.0 (its config's default): all 4 steps
+    c.analyze.halting.update(criteria=("gate",), r_min=1, r_max=4)
+    c.analyze.halting.gate = (0.3, 0.5, 0.7, 0.9)
+  elif variant in ("llama", "olmo2"):  # nothing to exit from
+    c.analyze.names = LM_STREAMED
+  else:  # Huginn's evaluators, their default thresholds among the eps
+    c.analyze.halting.update(
+      criteria=HUGINN_EXITS, r_min=1, r_max=num_loops, start="uniform",
+      eps=(1e-4, 1e-3, 1e-2, 3e-2), patience=(2, 5),
+    )  # fmt: skip
   c.mesh.devices = 1
   return c

@@ -17,9 +17,11 @@ import jax
 import numpy as np
 
 from loopjax.analysis import (
+  LM_STREAMED,
   attention,
   depth_scan,
   fixed_points,
+  lm_halting,
   mechanistic_figures,
   stage_figures,
   stages,
@@ -99,10 +101,6 @@ def run(
   out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth
   probe, n = probe or batches(task, a.lm_windows, a.batch_size)
-  compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
-  mem = memory(compiled, probe[0], depth, config.model)
-  outs = jax.device_get([compiled(model, b, key) for b in probe])
-  ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
   head = {
     "step": step,
     "fingerprint": task.fingerprint,
@@ -111,6 +109,17 @@ def run(
     "windows": n,
     "seq_len": int(probe[0]["inputs"].shape[1]),
   }
+  written = []
+  if "halting" in a.names:
+    report = head | {"halting": {split: lm_halting.table(model, probe, n, config, key)}}
+    written += _write(out_dir, "halting", report, lm_halting.markdown(report, split))
+    print("halting: " + lm_halting.summary(report, split))
+  if not set(a.names) & set(LM_STREAMED):
+    return written
+  compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
+  mem = memory(compiled, probe[0], depth, config.model)
+  outs = jax.device_get([compiled(model, b, key) for b in probe])
+  ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
   results = {
     "fixed_points": fixed_points.summarize(
       ex["fixed_points"], a.tol, a.fp_share, a.cycle_margin
@@ -119,14 +128,17 @@ def run(
     "attention": attention.summarize(ex["attention"])
     | {"sink": ex["attention"]["sink"].mean(0).tolist()},
   }
-  written = []
-  for name in a.names:
+  for name in (n for n in a.names if n in LM_STREAMED):
     report = head | {name: {split: results[name]}}
     view = stage_figures if name == "stages" else mechanistic_figures
-    path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2))
-    table = out_dir / f"{name}.md"
-    table.write_text(view.table(name, report))
-    written += [path, table, *view.plot(name, report, out_dir)]
+    written += _write(out_dir, name, report, view.table(name, report))
+    written += view.plot(name, report, out_dir)
     print(f"{name}: " + view.summary(name, report))
   return written
+
+
+def _write(out_dir: Path, name: str, report: dict, table: str) -> list[Path]:
+  """name.json and name.md under out_dir."""
+  (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+  (out_dir / f"{name}.md").write_text(table)
+  return [out_dir / f"{name}.json", out_dir / f"{name}.md"]

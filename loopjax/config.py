@@ -31,6 +31,7 @@ ENUMS = {
   "train.supervise": ("last", "from_hops", "atomic_every"),
   "train.decay": ("matrices", "all"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
+  "analyze.halting.start": halting.START,
 }
 # Tuple fields whose every name must be one the owning module knows.
 NAME_LISTS = {
@@ -208,6 +209,8 @@ def base() -> ml_collections.ConfigDict:
       seq_len=50,  # LTG pads every sequence to 50 tokens; 0: the batch's length
       tau_grid=(0.1, 0.3, 1.0, 3.0),  # entropy-only thresholds
       patience=(1, 2, 4),
+      gate=(0.5, 0.7, 0.9),  # an exit gate's cumulative-probability thresholds
+      start="readout",  # what iteration 1 is compared with (halting.START)
     ),
   )
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)

@@ -44,6 +44,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from loopjax.errors import ConfigError
+
 START = ("readout", "uniform")
 
 
@@ -74,6 +76,11 @@ def adaptive(
   `unroll - 1` iterations are computed after the last unit halts.
   """
   settled_fn = CRITERIA[criterion]
+  if criterion == "gate" and not model.cfg.exit_gate:
+    raise ConfigError(
+      "analyze.halting.criteria: 'gate' reads a model's exit gate (Ouro's); "
+      "this model has none"
+    )
   T = seq_len or tokens_BT.shape[1]
   limits = Limits(eps, tau, patience, tau + tau_len / T, threshold)
   per_token = answer_pos_B is None

@@ -12,7 +12,7 @@ from flax import nnx
 from experiments import lm as lm_experiment
 from loopjax import analyze_lm
 from loopjax.analysis import (
-  LM_ANALYSES,
+  LM_STREAMED,
   attention,
   depth_scan,
   fixed_points,
@@ -229,7 +229,7 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   out = tmp_path / "run" / "analysis"
   paths = analyze_lm.run(config, task, Model(graphdef, params), 7, out)
   assert sorted(p.name for p in paths) == sorted(
-    f"{n}.{ext}" for n in LM_ANALYSES for ext in ("json", "md", "png")
+    f"{n}.{ext}" for n in LM_STREAMED for ext in ("json", "md", "png")
   )
   st = json.loads((out / "stages.json").read_text())
   assert st["step"] == 7 and st["windows"] == 3

@@ -32,10 +32,17 @@ def config(variant, fixture, **model):
 def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   """Huginn on the 8 shipped questions, to 6 recurrences: per-layer fixed
   points of the 2-layer core, stage statistics and attention per iteration,
-  each prompt a row whose padding no statistic counts; config recorded."""
+  each prompt a row whose padding no statistic counts, and each token's exit
+  under Huginn's criteria; the config recorded."""
   c = config("huginn", "huginn")
+  c.analyze.halting.update(r_max=6, eps=(1e-2,))
   written = run.analyze(c, tmp_path)
-  assert {p.name for p in written} >= {"fixed_points.json", "stages.png"}
+  assert {p.name for p in written} >= {"fixed_points.json", "stages.png", "halting.md"}
+  exits = json.loads((tmp_path / "analysis" / "halting.json").read_text())
+  rows = exits["halting"]["prompts"]["rows"]  # Huginn's 4 criteria, argmax twice
+  assert [r["criterion"] for r in rows][-2:] == ["argmax", "argmax"] and len(rows) == 6
+  assert all(1 <= r["iterations"] <= 6 and 0 <= r["agree"] <= 1 for r in rows)
+  assert rows[-2]["iterations"] < rows[-1]["iterations"]  # patience 2 < 5
   fp = json.loads((tmp_path / "analysis" / "fixed_points.json").read_text())
   assert fp["windows"] == 8 and fp["main_split"] == "prompts"
   assert len(fp["fixed_points"]["prompts"]["layers"]) == 2  # per core layer

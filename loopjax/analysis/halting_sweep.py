@@ -13,6 +13,9 @@ from loopjax import halting
 from loopjax.data import pipeline
 from loopjax.state import eval_key
 
+# criteria whose one threshold is `eps`
+EPS = ("kl", "kl_reverse", "entropy_diff", "latent", "latent_diff", "cosine")
+
 
 def settings(cfg) -> list[dict]:
   """The (criterion, threshold) grid from the `analyze.halting` config."""
@@ -25,8 +28,10 @@ def settings(cfg) -> list[dict]:
         {"criterion": criterion, "eps": e, "tau": cfg.tau, "tau_len": cfg.tau_len}
         for e in cfg.eps
       ]
-    elif criterion in ("kl", "kl_reverse", "latent"):
+    elif criterion in EPS:
       grid += [{"criterion": criterion, "eps": e} for e in cfg.eps]
+    elif criterion == "gate":
+      grid += [{"criterion": criterion, "threshold": q} for q in cfg.gate]
     elif criterion == "entropy":
       grid += [{"criterion": criterion, "tau": t} for t in cfg.tau_grid]
     elif criterion == "argmax":
