@@ -120,16 +120,18 @@ def run(
   mem = memory(compiled, probe[0], depth, config.model)
   outs = jax.device_get([compiled(model, b, key) for b in probe])
   ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
-  results = {
-    "fixed_points": fixed_points.summarize(
+  results = {  # each summarized only if asked for
+    "fixed_points": lambda: fixed_points.summarize(
       ex["fixed_points"], a.tol, a.fp_share, a.cycle_margin
     ),
-    "stages": stages.summarize(ex, a.sink_threshold) | {"memory": mem},
-    "attention": attention.summarize(ex["attention"])
-    | {"sink": ex["attention"]["sink"].mean(0).tolist()},
+    "stages": lambda: stages.summarize(ex, a.sink_threshold) | {"memory": mem},
+    "attention": lambda: (
+      attention.summarize(ex["attention"])
+      | {"sink": ex["attention"]["sink"].mean(0).tolist()}
+    ),
   }
   for name in (n for n in a.names if n in LM_STREAMED):
-    report = head | {name: {split: results[name]}}
+    report = head | {name: {split: results[name]()}}
     view = stage_figures if name == "stages" else mechanistic_figures
     written += _write(out_dir, name, report, view.table(name, report))
     written += view.plot(name, report, out_dir)

@@ -199,6 +199,9 @@ def base() -> ml_collections.ConfigDict:
     lm_windows=32,
     sink_threshold=0.3,
     lens_phases=True,
+    # A pretrained model's (model.hf_dir) feedforward baseline: a Llama or
+    # OLMo 2 directory whose stages are analyzed on the same prompts.
+    baseline_dir="",
     halting=dict(
       criteria=halting.LTG,
       r_min=2,  # LTG: iteration t against t - 1 from the second iteration on
@@ -346,6 +349,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
       "model.hf_split: needs model.init_from or model.hf_dir (the pretrained "
       f"model whose layers it places); got {m.hf_split!r}"
+    )
+  if a.baseline_dir and not m.hf_dir:
+    raise ConfigError(
+      "analyze.baseline_dir: a pretrained model's baseline; needs model.hf_dir"
     )
   if m.hf_dir or d.source.startswith("prompts:"):
     task_checks.pretrained(c)

@@ -187,3 +187,21 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
   assert reports[0]["params"] == sum(sizes)  # every param, none twice
   assert 2.5 < one["arguments"] / four["arguments"] <= 4.0
   assert one["temporaries"] > 0
+
+
+def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
+  """analyze.baseline_dir: the retrofitted model's stages and its source's
+  (here a 3-layer Llama) on the same prompts, and one figure of both; a
+  looped directory as the baseline is refused before anything loads."""
+  c = config("retrofit", "retrofit_llama")
+  c.analyze.update(names=("stages",), max_depth=3)
+  c.analyze.baseline_dir = str(FIXTURES / "huginn")
+  with pytest.raises(ConfigError, match="must be a feedforward Llama or OLMo 2"):
+    run.analyze(c, tmp_path)
+  assert not tmp_path.joinpath("config.json").exists()
+  c.analyze.baseline_dir = str(FIXTURES / "llama_gqa")
+  written = {p.name for p in run.analyze(c, tmp_path)}
+  assert "stages_vs_baseline.png" in written
+  fed = json.loads((tmp_path / "analysis" / "baseline" / "stages.json").read_text())
+  rows = fed["stages"]["prompts"]["positions"]
+  assert [r["label"] for r in rows] == ["embed", "r1 l1", "r1 l2", "r1 l3"]

@@ -86,3 +86,30 @@ def summary(name: str, report: dict) -> str:
     f"{best['massive_ratio']:.0f} ({best['label']}), repetition of it "
     + ("-" if rep is None else f"{rep:.2f}")
   )
+
+
+def compare(report: dict, baseline: dict, out_dir: Path) -> list[Path]:
+  """The looped model's statistics and a feedforward baseline's (MECH: the
+  block repeats the feedforward stages in every iteration) against depth as
+  a share of each model's own (0: embedding, 1: last layer)."""
+  (_, looped), (_, feedforward) = (
+    main_result(report, "stages"),
+    main_result(baseline, "stages"),
+  )
+  fig, axes = plt.subplots(len(PANELS), 1, figsize=(9, 13), sharex=True)
+  for ax, (stat, label, log) in zip(axes, PANELS, strict=True):
+    for res, name in ((looped, "looped"), (feedforward, "feedforward baseline")):
+      rows = res["positions"]
+      y = np.asarray([np.nan if r[stat] is None else r[stat] for r in rows], float)
+      ax.plot(np.linspace(0, 1, len(rows)), y, marker=".", lw=1, label=name)
+    ax.set_ylabel(label, fontsize=8)
+    if log:
+      ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+  axes[0].legend(fontsize=8)
+  axes[-1].set_xlabel("depth / the model's depth (looped: every iteration's layers)")
+  fig.suptitle(
+    f"stages of inference: looped ({looped['num_loops']} x {looped['num_layers']} "
+    f"core layers) vs feedforward ({feedforward['num_layers']} layers)"
+  )
+  return [save(fig, out_dir / "stages_vs_baseline.png")]

@@ -7,6 +7,7 @@ a feedforward model's layers as prelude, core and coda. Outputs go to the
 workdir, which records the config (a later run with another refuses it).
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -15,10 +16,12 @@ from flax import nnx
 from loopjax import analyze_lm, sharding
 from loopjax import config as config_lib
 from loopjax import sample as sample_lib
+from loopjax.analysis import stage_figures
 from loopjax.data import lm
 from loopjax.errors import ConfigError
+from loopjax.pretrained import llama
 from loopjax.pretrained import prompts as prompts_lib
-from loopjax.pretrained.load import load
+from loopjax.pretrained.load import load, resolve
 from loopjax.workdir import Workdir, write_atomic
 
 
@@ -63,17 +66,57 @@ def prepare(config, workdir):
 
 
 def analyze(config, workdir) -> list[Path]:
-  """The LM analyses (fixed points, stages, attention) of the loaded model on
-  the prompts, to `analyze.max_depth` recurrences, under workdir/analysis."""
+  """The LM analyses (fixed points, stages, attention, halting) of the loaded
+  model on the prompts, to `analyze.max_depth` recurrences, under
+  workdir/analysis; with `analyze.baseline_dir`, a feedforward model's stages
+  on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
+  baseline = _baseline_config(config)
   cfg, model, task, prompts = prepare(config, workdir)
+  out = Path(workdir) / "analysis"
+  written = _run(config, cfg, model, task, prompts, out)
+  if baseline is None:
+    return written
+  cfg, model, vocab_size = load_model(baseline)
+  tokenizer = prompts_lib.tokenizer_json(baseline.model.hf_dir, vocab_size)
+  task = prompts_lib.task(baseline, tokenizer, prompts)
+  written += _run(baseline, cfg, model, task, prompts, out / "baseline")
+  looped, fed = (
+    json.loads((d / "stages.json").read_text()) for d in (out, out / "baseline")
+  )
+  return written + stage_figures.compare(looped, fed, out)
+
+
+def _run(config, cfg, model, task, prompts, out: Path) -> list[Path]:
   run_config = config_lib.base()
   run_config.unlock()
   run_config.update(config.to_dict())
   run_config.model = cfg  # the directory's shapes, for the memory report
   probe = prompts_lib.batches(task, prompts, config.analyze.batch_size)
-  return analyze_lm.run(
-    run_config, task, model, 0, Path(workdir) / "analysis", probe, "prompts"
-  )
+  return analyze_lm.run(run_config, task, model, 0, out, probe, "prompts")
+
+
+def _baseline_config(config):
+  """The config analyzing `analyze.baseline_dir` (None if unset): a Llama or
+  OLMo 2 directory, once (R 1), its stages only; checked before any load."""
+  path = config.analyze.baseline_dir
+  if not path:
+    return None
+  if "stages" not in config.analyze.names:
+    raise ConfigError(
+      "analyze.baseline_dir: compares stages; add 'stages' to analyze.names"
+    )
+  b = config_lib.base()
+  b.unlock()
+  b.update(config.to_dict())
+  b.model.update(hf_dir=path, hf_split="", num_loops=1)
+  b.analyze.update(names=("stages",), max_depth=1, baseline_dir="")
+  hf, family, *_ = resolve(path, b.model, weights=False)
+  if family is not llama:
+    raise ConfigError(
+      f"analyze.baseline_dir: must be a feedforward Llama or OLMo 2 directory; "
+      f"{path} holds model_type {hf.config['model_type']!r}"
+    )
+  return b
 
 
 def sample(config, workdir, prompt: str, *, max_new_tokens: int, num_loops=None, **kw):
