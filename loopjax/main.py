@@ -111,7 +111,6 @@ def _pretrained(config, workdir: Path) -> None:
     print(
       run.sample(
         config,
-        workdir,
         FLAGS.prompt,
         num_loops=FLAGS.num_loops,
         max_new_tokens=FLAGS.max_new_tokens,
@@ -178,7 +177,8 @@ def main(argv):
       f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
     )
   try:
-    if config is not None and FLAGS.mode != "train":  # as training recorded it
+    # model.init_from: DIR's shapes, as training records them (it resolves its own)
+    if config is not None and FLAGS.mode != "train":
       config = init_from.resolve(config)
     if config is not None and config.model.hf_dir:
       _pretrained(config, workdir)

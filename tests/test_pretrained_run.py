@@ -61,8 +61,8 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   from loopjax.data import lm
 
   c = config("ouro", "ouro")
-  text = run.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
-  _, model, _ = run.load_model(c)
+  text = run.sample(c, "how many apples", max_new_tokens=5, temperature=0.0)
+  _, model = run.load_model(c)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
   ids = lm.encode(tok, "how many apples")
   m = model.module()
@@ -182,7 +182,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
     c.mesh.update(data=1, fsdp=fsdp, tensor=1)
     reports.append(aot.check_pretrained(c, fsdp))
   one, four = (r["passes"]["analysis, 6 recurrences"] for r in reports)
-  _, model, _ = run.load_model(config("huginn", "huginn"))
+  _, model = run.load_model(config("huginn", "huginn"))
   sizes = [x.size for x in jax.tree.leaves(model.params)]
   assert reports[0]["params"] == sum(sizes)  # every param, none twice
   assert 2.5 < one["arguments"] / four["arguments"] <= 4.0

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import numpy as np
-from flax import nnx
 
 from loopjax import analyze_lm, sharding
 from loopjax import config as config_lib
@@ -41,28 +40,30 @@ def split(config):
 
 
 def load_model(config):
-  """(model config, Model, vocab size) of `model.hf_dir`, its params put
-  straight into their shards on the run's mesh (`mesh`, `sharding.rules`)."""
+  """(model config, Model) of `model.hf_dir`, its params put straight into
+  their shards on the run's mesh (`mesh`, `sharding.rules`)."""
   m, rules = config.model, tuple(config.sharding.rules)
   mesh = sharding.make_mesh(config.mesh)
-  cfg, model = load(
-    m.hf_dir, m, split(config), m.num_loops, m.dtype, mesh=mesh, rules=rules
-  )
-  return cfg, model, nnx.to_pure_dict(model.params)["embed"].shape[0]
+  return load(m.hf_dir, m, split(config), m.num_loops, m.dtype, mesh=mesh, rules=rules)
+
+
+def tokenizer(config) -> str:
+  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
+  config.json gives (the weights not read yet)."""
+  m = config.model
+  vocab_size = resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)[3]
+  return prompts_lib.tokenizer_json(m.hf_dir, vocab_size)
 
 
 def prepare(config, workdir):
-  """(the loaded model's config, Model, task, prompts): everything checked
-  (directory, tensors, tokenizer, prompts) before anything compiles."""
+  """(task, prompts): the directory's config, tokenizer and prompts and the
+  workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
-  cfg, model, vocab_size = load_model(config)
-  tokenizer = prompts_lib.tokenizer_json(config.model.hf_dir, vocab_size)
-  task = prompts_lib.task(config, tokenizer, prompts)
+  task = prompts_lib.task(config, tokenizer(config), prompts)
   wd = Workdir(workdir)
   wd.check(config)
   wd.check_writable()
-  write_atomic(wd.path / "config.json", config_lib.to_json(config))
-  return cfg, model, task, prompts
+  return task, prompts
 
 
 def analyze(config, workdir) -> list[Path]:
@@ -71,15 +72,16 @@ def analyze(config, workdir) -> list[Path]:
   workdir/analysis; with `analyze.baseline_dir`, a feedforward model's stages
   on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
   baseline = _baseline_config(config)
-  cfg, model, task, prompts = prepare(config, workdir)
+  task, prompts = prepare(config, workdir)
+  base_task = baseline and prompts_lib.task(baseline, tokenizer(baseline), prompts)
+  cfg, model = load_model(config)  # every tensor checked: then the record
+  write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
   written = _run(config, cfg, model, task, prompts, out)
   if baseline is None:
     return written
-  cfg, model, vocab_size = load_model(baseline)
-  tokenizer = prompts_lib.tokenizer_json(baseline.model.hf_dir, vocab_size)
-  task = prompts_lib.task(baseline, tokenizer, prompts)
-  written += _run(baseline, cfg, model, task, prompts, out / "baseline")
+  cfg, model = load_model(baseline)
+  written += _run(baseline, cfg, model, base_task, prompts, out / "baseline")
   looped, fed = (
     json.loads((d / "stages.json").read_text()) for d in (out, out / "baseline")
   )
@@ -119,15 +121,15 @@ def _baseline_config(config):
   return b
 
 
-def sample(config, workdir, prompt: str, *, max_new_tokens: int, num_loops=None, **kw):
+def sample(config, prompt: str, *, max_new_tokens: int, num_loops=None, **kw):
   """`prompt` continued by the loaded model at `num_loops` recurrences
   (default `model.num_loops`), with a key/value cache (`sample.generate`)."""
-  _, model, vocab_size = load_model(config)
-  tokenizer = prompts_lib.tokenizer_json(config.model.hf_dir, vocab_size)
-  ids = lm.encode(tokenizer, prompt)
+  tok = tokenizer(config)
+  ids = lm.encode(tok, prompt)
   if not ids:
     raise ConfigError("--prompt: encodes to no token: nothing to continue")
-  eos = lm.special_ids(tokenizer, "tokenizer.json")[2]
+  eos = lm.special_ids(tok, "tokenizer.json")[2]
+  _, model = load_model(config)
   tokens, _ = sample_lib.generate(
     model,
     np.asarray([ids], np.int32),
@@ -136,6 +138,6 @@ def sample(config, workdir, prompt: str, *, max_new_tokens: int, num_loops=None,
     eos_id=eos,
     **kw,
   )
-  return lm.tokenizer_from_json(tokenizer).decode(
+  return lm.tokenizer_from_json(tok).decode(
     list(map(int, tokens[0])), skip_special_tokens=True
   )
