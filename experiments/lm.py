@@ -31,24 +31,25 @@ Retrofitted recurrence (McLeish et al. 2025, LoopedLMs/retrofitting-recurrence):
 `model.init_from=hf:DIR` starts from a pretrained Llama or OLMo 2, its layers
 placed as prelude, core and coda by `model.hf_split`, the core applied R times
 after the concat adapter, which starts at [0 | I] (loopjax/pretrained/
-init_from.py). As its scripts (shells/tinyllama.sh, llama.sh, olmo.sh): R
-sampled per batch, Poisson with a log-normal rate (sigma 0.5) around a mean
-of 4, backprop through every iteration (their backprop depth 8 exceeds the
-mean); the first state a truncated normal of Huginn-0125's std; AdamW at lr
-5e-5, weight decay 1e-4 on every parameter, betas (0.9, 0.95), gradients
-clipped at 1.0, 1024-token sequences, bf16 compute on float32 masters.
-Not reproduced: their mean-R curriculum (1 up to 4 over the first 25-75% of
-steps), the warmup-stable-decay schedule (cosine here) and Muon.
+init_from.py). As its train.py and shells/ (tinyllama.sh, llama.sh,
+olmo.sh): R sampled per batch, Poisson with a log-normal rate (sigma 0.5) +
+1, around a mean of 4 (their Figures 5-8; Figure 4 ramps to 32), backprop
+through every iteration (their backprop depth 8 exceeds the mean); the first
+state a truncated normal of Huginn-0125's std; AdamW at lr 5e-5, weight decay
+1e-4 on every parameter, betas (0.9, 0.95), gradients clipped at 1.0,
+1024-token sequences, bf16 compute on float32 masters, 25k steps with 0.5%
+warmup. Not reproduced: their mean-R curriculum (from 1 over the first 25-75%
+of steps), the warmup-stable-decay schedule (cosine here) and Muon (most of
+their runs).
 
-Their splits drop layers: TinyLlama's 4,8,4 keeps layers 0-3, 10-17 and 18-21
-of its 22 (convert_llama.py), Llama 3.2 1B's 2,4,2 eight of its 16. loopjax's
-split places every layer, so the default keeps TinyLlama's prelude and coda of
-4 with the 14 layers between them as the core. Llama 3.2 (its llama3 RoPE
-rescaling) and models whose embedding has more rows than their tokenizer has
-tokens (OLMo 2's) are refused in one line for now.
+Their splits drop layers, and so may loopjax's: TinyLlama's 4,8,4 (the
+default) keeps layers 0-3, 10-17 and 18-21 of its 22 (convert_llama.py), the
+core the 8 before the coda; Llama 3.2 1B's 2,4,2 eight of its 16
+(`--config.model.hf_split=2,4,2`). OLMo 2's embedding, padded past its
+tokenizer (100352 rows, 100278 tokens), is used as it is.
 
-  python -m loopjax.main --config=experiments/lm.py:retrofit --workdir=runs/retro \
-      --config.model.init_from=hf:$HOME/models/TinyLlama-1.1B-intermediate-step-1431k-3T \
+  python -m loopjax.main --config=experiments/lm.py:retrofit --workdir=runs/retro \\
+      --config.model.init_from=hf:$HOME/models/TinyLlama-1.1B-intermediate-step-1431k-3T \\
       --config.data.source='text:corpus/*.txt'
 """
 
@@ -139,7 +140,7 @@ def retrofit(c, tiny: bool) -> None:
   # The model's tokenizer adds <bos> itself (its post-processor), as it trained.
   c.data.update(seq_len=1024, bos=False, valid_sequences=64)
   c.model.update(
-    hf_split="4,14,4",
+    hf_split="4,8,4",  # TinyLlama's: layers 0-3, 10-17, 18-21 of 22
     injection="concat",
     init_state="trunc_normal",
     init_state_std=HUGINN_STATE_STD,

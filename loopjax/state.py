@@ -81,8 +81,9 @@ def sharded_train_state(config, task, mesh, abstract: bool = False, params=None)
   jitted init writes each shard where it lives (no full copy on one device).
   Returns (graphdef, state, optimizer, the state's shardings); `abstract`:
   the state as ShapeDtypeStructs with shardings, nothing computed (restore
-  targets, ahead-of-time compiles); `params`: host arrays for some top-level
-  params (`init_state`), each process putting its shards of them in place."""
+  targets, ahead-of-time compiles); `params`: arrays for some top-level params
+  (`init_state`), put where the rules place them (already there: as they are)
+  and donated."""
   abstract_model = nnx.eval_shape(
     lambda: build_model(config.model, *data.model_dims(task), config.seed)
   )
@@ -103,19 +104,10 @@ def sharded_train_state(config, task, mesh, abstract: bool = False, params=None)
       shardings,
     )
   else:
-    given = None if params is None else _put(params, shardings["params"])
-    state = jax.jit(init, out_shardings=shardings, donate_argnums=0)(given)
+    if params is not None:  # donated: the state's params are these arrays
+      params = jax.device_put(params, {k: shardings["params"][k] for k in params})
+    state = jax.jit(init, out_shardings=shardings, donate_argnums=0)(params)
   return graphdef, state, tx, shardings
-
-
-def _put(params, shardings):
-  """Host arrays for some top-level params as global arrays with their
-  `shardings` (all the params'): each process puts only its own shards."""
-  return jax.tree.map(
-    lambda x, s: jax.make_array_from_callback(x.shape, s, lambda i: x[i]),
-    params,
-    {k: shardings[k] for k in params},
-  )
 
 
 def eval_key(config):

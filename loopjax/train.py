@@ -158,7 +158,7 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   # A pretrained model's params start a fresh run; a resumed one restores its own.
   fresh = config.model.init_from and not mngr.all_steps()
   graphdef, state, tx, shardings = sharded_train_state(
-    config, task, mesh, params=init_from.params(config) if fresh else None
+    config, task, mesh, params=init_from.params(config, mesh) if fresh else None
   )
   if fresh:
     m = config.model

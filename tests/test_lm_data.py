@@ -133,6 +133,11 @@ def test_a_tokenizer_of_another_size_is_refused(lm_config, tmp_path):
   lm_config.data.vocab_size = 320  # a given tokenizer is used as it is
   data = lm.read(lm_config.data)
   assert data.vocab_size == 320 and data.tokenizer_json == tok
+  lm_config.data.vocab_size = 384  # an embedding padded to a multiple of 128
+  assert lm.read(lm_config.data).vocab_size == 384
+  lm_config.data.vocab_size = 385
+  with pytest.raises(ConfigError, match=r"or up to 384: an embedding padded"):
+    lm.read(lm_config.data)
 
 
 @pytest.mark.parametrize(

@@ -162,6 +162,19 @@ def test_a_layer_split_is_the_same_model_once_and_a_looped_one_after():
   assert np.isfinite(looped).all() and not np.allclose(looped, ref["logits"], atol=1e-2)
 
 
+def test_a_split_of_fewer_layers_drops_those_between_prelude_and_core():
+  """1,1,0 of 3 layers: the prelude is layer 0, the core layer 2 (the one
+  before the coda, as retrofitting takes TinyLlama's 4,8,4 of 22), layer 1's
+  tensors are read by nothing and are no error."""
+  _, model = load(FIXTURES / "llama_gqa", config_lib.base().model, split=(1, 1, 0))
+  params = model.params
+  q = load_file(FIXTURES / "llama_gqa" / "model.safetensors")
+  for group, layer in (("prelude", 0), ("core", 2)):
+    want = q[f"model.layers.{layer}.self_attn.q_proj.weight"].T.reshape(32, 4, 8)
+    np.testing.assert_array_equal(params[group][0]["attn"]["wq"][...], want)
+  assert "coda" not in params
+
+
 def test_sharded_checkpoints_load_through_their_index(tmp_path):
   tensors = load_file(FIXTURES / "llama_gqa" / "model.safetensors")
   names = sorted(tensors)
@@ -198,7 +211,8 @@ LAYER_3_Q = "model.layers.3.self_attn.q_proj.weight"
 BAD = [
   (lambda hf: hf.update(model_type="gpt2"), None, "model_type must be one of llama"),
   (lambda hf: hf.update(model_type="olmo2"), None, "must be ['Olmo2ForCausalLM']"),
-  (lambda hf: hf.update(rope_scaling={"type": "llama3"}), None, "rope_scaling must be"),
+  (lambda hf: hf.update(rope_scaling={"type": "yarn"}), None, "rope_scaling must be"),
+  (lambda hf: hf.update(rope_scaling={"type": "llama3"}), None, "llama3' lacks factor"),
   (lambda hf: hf.update(num_hidden_layers=4), None, f"tensor {LAYER_3_Q} is missing"),
   (None, lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
   (None, lambda t: t.update(extra=np.zeros(2, np.float32)), "unexpected tensor extra"),
@@ -225,7 +239,7 @@ def test_missing_files_and_splits_that_do_not_add_up(tmp_path):
   with pytest.raises(ConfigError, match="has no config.json"):
     load(tmp_path, config_lib.base().model)
   path = _copy(tmp_path)
-  with pytest.raises(ConfigError, match="must add up to the model's 3 layers"):
+  with pytest.raises(ConfigError, match="must fit in the model's 3 layers"):
     load(path, config_lib.base().model, split=(1, 1, 2))
   (path / "model.safetensors").unlink()
   with pytest.raises(

@@ -72,8 +72,10 @@ def test_at_step_0_the_looped_model_is_the_pretrained_one_at_any_depth(
   task = lm_data.without_streams(c.data, Path(c.data.tokenizer).read_text())
   c.mesh.update(data=2, fsdp=2, tensor=2, devices=0)
   mesh = sharding.make_mesh(c.mesh)
-  given = init_from.params(c)
-  graphdef, state, _, shardings = sharded_train_state(c, task, mesh, params=given)
+  given = jax.device_get(init_from.params(c))
+  graphdef, state, _, shardings = sharded_train_state(
+    c, task, mesh, params=init_from.params(c, mesh)
+  )
   placed = jax.tree.map(
     lambda x, s: x.sharding == s, state["params"], shardings["params"]
   )
@@ -140,13 +142,13 @@ def test_a_resumed_run_restores_its_checkpoint_not_the_pretrained_params(
   assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
-def smaller_tokenizer(tmp_path) -> Path:
-  """llama_gqa with a tokenizer one word short of its 64-row embedding."""
+def larger_tokenizer(tmp_path) -> Path:
+  """llama_gqa with a tokenizer one word more than its 64-row embedding."""
   directory = tmp_path / "llama"
   shutil.copytree(FIXTURES / "llama_gqa", directory)
   tok = json.loads((directory / "tokenizer.json").read_text())
   vocab = tok["model"]["vocab"]
-  del vocab[max(vocab, key=vocab.get)]
+  vocab["extra"] = len(vocab)
   (directory / "tokenizer.json").write_text(json.dumps(tok))
   return directory
 
@@ -165,16 +167,16 @@ def smaller_tokenizer(tmp_path) -> Path:
     (lambda c, d: c.model.update(hf_split=""), "model.hf_split: required with"),
     (
       lambda c, d: c.model.update(hf_split="1,1,2"),
-      "model.hf_split: prelude, core and coda layers must add up to the model's "
-      "3 layers with a core of at least 1; got 1,1,2$",
+      "model.hf_split: prelude, core and coda layers must fit in the model's "
+      "3 layers .at most 3 in all. with a core of at least 1; got 1,1,2$",
     ),
     (
       lambda c, d: c.data.update(tokenizer=str(d / "tokenizer.json")),
       "data.tokenizer: must be '' or .*llama_gqa/tokenizer.json with",
     ),
     (
-      lambda c, d: c.model.update(init_from=f"hf:{smaller_tokenizer(d)}"),
-      "data.tokenizer: .*tokenizer.json has 63 tokens but .*'s embedding has 64 rows",
+      lambda c, d: c.model.update(init_from=f"hf:{larger_tokenizer(d)}"),
+      "data.tokenizer: .*tokenizer.json has 65 tokens but .*'s embedding has 64 rows",
     ),
     (
       lambda c, d: c.model.update(init_from=f"hf:{FIXTURES / 'huginn'}"),
@@ -223,7 +225,7 @@ def test_the_command_line_refuses_a_bad_split_before_the_workdir_exists(tmp_path
   cmd[3] = "--config=experiments/lm.py:retrofit_tiny"
   r = run_cmd(cmd)
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-    "error: model.hf_split: prelude, core and coda layers must add up to the "
-    "model's 3 layers with a core of at least 1; got 2,0,1"
+    "error: model.hf_split: prelude, core and coda layers must fit in the "
+    "model's 3 layers (at most 3 in all) with a core of at least 1; got 2,0,1"
   ], r.stderr
   assert not (tmp_path / "run").exists()

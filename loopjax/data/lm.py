@@ -115,12 +115,22 @@ def _given_tokenizer(path: str, vocab_size: int) -> str:
     raise ConfigError(
       f"data.tokenizer: {p} does not load as a tokenizer.json ({type(e).__name__})"
     ) from None
-  if tok.get_vocab_size() != vocab_size:
+  n = tok.get_vocab_size()
+  if not n <= vocab_size <= padded(n):
     raise ConfigError(
-      f"data.tokenizer: {p} has {tok.get_vocab_size()} tokens but data.vocab_size "
-      f"is {vocab_size}; set data.vocab_size={tok.get_vocab_size()}"
+      f"data.tokenizer: {p} has {n} tokens but data.vocab_size is {vocab_size}; "
+      f"set data.vocab_size={n} (or up to {padded(n)}: an embedding padded to a "
+      f"multiple of {PAD_MULTIPLE})"
     )
   return text
+
+
+PAD_MULTIPLE = 128  # embeddings padded past their tokenizer (OLMo 2: 100278 -> 100352)
+
+
+def padded(n: int) -> int:
+  """n tokens' embedding rows rounded up to a multiple of PAD_MULTIPLE."""
+  return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
 def special_ids(tokenizer_json: str, where: str) -> tuple[int, int, int]:
@@ -284,7 +294,7 @@ def read(data_cfg) -> LmData:
   streams = {k: _stream(v, bos if data_cfg.bos else None, eos) for k, v in docs.items()}
   data = LmData(
     tokenizer_json=tok_json,
-    vocab_size=tokenizer_from_json(tok_json).get_vocab_size(),
+    vocab_size=_rows(data_cfg, tok_json),
     pad_id=pad,
     bos_id=bos,
     eos_id=eos,
@@ -302,13 +312,21 @@ def read(data_cfg) -> LmData:
   return data
 
 
+def _rows(data_cfg, tokenizer_json: str) -> int:
+  """The embedding's rows: a given tokenizer's data.vocab_size (which may pad
+  it, `padded`), else the tokenizer's size."""
+  if data_cfg.tokenizer:
+    return int(data_cfg.vocab_size)
+  return tokenizer_from_json(tokenizer_json).get_vocab_size()
+
+
 def without_streams(data_cfg, tokenizer_json: str) -> LmData:
   """The task's shape (vocabulary, specials, sequence length) without its
   corpus: what building a model to restore or sample needs."""
   pad, bos, eos = special_ids(tokenizer_json, "tokenizer.json")
   return LmData(
     tokenizer_json=tokenizer_json,
-    vocab_size=tokenizer_from_json(tokenizer_json).get_vocab_size(),
+    vocab_size=_rows(data_cfg, tokenizer_json),
     pad_id=pad,
     bos_id=bos,
     eos_id=eos,

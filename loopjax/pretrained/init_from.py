@@ -17,7 +17,6 @@ random init, which makes even R = 1 another function). With injection add or
 none, the state enters as those options say.
 """
 
-import jax
 import numpy as np
 from flax import nnx
 
@@ -42,7 +41,7 @@ def resolve(config):
   if not m.init_from:
     return config
   path = hf_path(m.init_from)
-  hf = HfDir(path).config
+  hf = HfDir(path, weights=False).config
   if hf.get("model_type") not in llama.LAYOUTS:
     raise ConfigError(
       f"model.init_from: {path} must hold a feedforward {' or '.join(llama.LAYOUTS)} "
@@ -56,10 +55,11 @@ def resolve(config):
     raise ConfigError(
       f"model.init_from: {tokenizer} does not load as a tokenizer ({type(e).__name__})"
     ) from None
-  if n != vocab_size:
+  if not n <= vocab_size <= lm.padded(n):
     raise ConfigError(
       f"data.tokenizer: {tokenizer} has {n} tokens but {path}'s embedding has "
-      f"{vocab_size} rows; a run needs one size for both"
+      f"{vocab_size} rows (at most {lm.padded(n)} would be padding); a tokenizer "
+      "from another model?"
     )
   out = config.copy_and_resolve_references()
   out.model.update({k: v for k, v in cfg.items() if k not in LOOPED})
@@ -67,12 +67,17 @@ def resolve(config):
   return out
 
 
-def params(config) -> dict:
-  """DIR's params as the resolved `config`'s model holds them: host float32
-  arrays (the run's masters), the concat adapter [0 | I] with a zero bias."""
-  m = config.model
-  _, model = load(hf_path(m.init_from), m, run.split(config), m.num_loops, "float32")
-  pure = jax.tree.map(np.asarray, nnx.to_pure_dict(model.params))
+def params(config, mesh=None) -> dict:
+  """DIR's params as the resolved `config`'s model holds them, float32 (the
+  run's masters), each tensor put straight into its shards on `mesh` by the
+  run's rules (None: the default device); the concat adapter [0 | I] with a
+  zero bias, on the host."""
+  m, rules = config.model, tuple(config.sharding.rules)
+  _, model = load(
+    hf_path(m.init_from), m, run.split(config), m.num_loops, "float32",
+    mesh=mesh, rules=rules,
+  )  # fmt: skip
+  pure = nnx.to_pure_dict(model.params)
   if m.injection == "concat":  # rows: the state's D, then the input's D
     D = m.d_model
     pure["adapter"] = np.eye(2 * D, D, -D, np.float32)

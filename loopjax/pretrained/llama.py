@@ -5,14 +5,18 @@ A feedforward Llama of n layers is the looped model with every layer in the
 core, applied once (R = 1, no injection): the baseline MECH compares looped
 models against. `split=(p, c, k)` places its layers as prelude, core and coda
 instead (the layout retrofitted recurrence starts from), the core applied
-`num_loops` times; at R = 1 that is the same function.
+`num_loops` times; at R = 1 that is the same function. With p + c + k < n the
+layers between prelude and core are dropped: the prelude is the first p, the
+coda the last k, the core the c before the coda (retrofitting's TinyLlama
+4,8,4 of 22 keeps layers 0-3, 10-17, 18-21).
 
 The mapping, by name: q/k/v/o projections (out, in) -> wq (D, N, H), wkv (D,
 2, K, H) (one fused wqkv (D, 3, N, H) when K = N), wo (N, H, D); gate and up
 -> w_in (D, 2, F); down -> w_out (F, D); input / post-attention norms -> norm1
 / norm2; the final norm; lm_head -> unembed, or the embedding where tied.
 Llama's rotary embedding rotates dimension i with i + H/2 (`rope_pairing`
-"half"), so no per-head permutation is needed. OLMo 2 differs in two places
+"half"), so no per-head permutation is needed; Llama 3.1 / 3.2's rope_scaling
+is `rope_llama3`. OLMo 2 differs in two places
 (`LAYOUTS`): each sublayer's output is normalized before it joins the residual
 stream, with no input norm (`norm_position` "res_post": post-attention /
 post-feedforward norms -> norm1 / norm2), and queries and keys are normalized
@@ -45,9 +49,29 @@ FIXED = {
   "hidden_act": "silu",
   "attention_bias": False,
   "mlp_bias": False,
-  "rope_scaling": None,
   "pretraining_tp": 1,
 }
+
+
+def rope_llama3(scaling) -> tuple:
+  """`rope_llama3` from config.json's rope_scaling (None: no rescaling)."""
+  if scaling is None:
+    return ()
+  kind = scaling.get("rope_type", scaling.get("type"))
+  if kind != "llama3":
+    raise ConfigError(
+      f"config.json: rope_scaling must be None or of rope_type 'llama3' (not "
+      f"supported otherwise); got {kind!r}"
+    )
+  keys = ("factor", "low_freq_factor", "high_freq_factor")
+  if missing := [
+    k for k in (*keys, "original_max_position_embeddings") if k not in scaling
+  ]:
+    raise ConfigError(
+      f"config.json: rope_scaling of rope_type 'llama3' lacks {missing[0]}"
+    )
+  context = int(scaling["original_max_position_embeddings"])
+  return (*(float(scaling[k]) for k in keys), context)
 
 
 def decoder_config(hf: dict, base, architecture: str, fixed: dict):
@@ -75,6 +99,7 @@ def decoder_config(hf: dict, base, architecture: str, fixed: dict):
     pos_encoding="rope",
     rope_theta=float(hf.get("rope_theta", 10_000.0)),
     rope_pairing="half",
+    rope_llama3=rope_llama3(hf.get("rope_scaling")),  # Llama 3.1 / 3.2
     embed_scale=1.0,
     num_prelude=0,
     num_layers=hf["num_hidden_layers"],
@@ -96,10 +121,10 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   cfg, vocab_size, max_len = decoder_config(hf, base, want, FIXED)
   n = cfg.num_layers
   p, c, k = split or (0, n, 0)
-  if p + c + k != n or c < 1:
+  if p + c + k > n or c < 1 or min(p, k) < 0:
     raise ConfigError(
-      f"model.hf_split: prelude, core and coda layers must add up to the "
-      f"model's {n} layers with a core of at least 1; got {p},{c},{k}"
+      f"model.hf_split: prelude, core and coda layers must fit in the model's "
+      f"{n} layers (at most {n} in all) with a core of at least 1; got {p},{c},{k}"
     )
   cfg.update(
     norm_position=norm_position,
@@ -167,9 +192,17 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
       "norm2": scale(norms[1]),
     }
 
-  layers = [layer(i) for i in range(cfg.num_prelude + cfg.num_layers + cfg.num_coda)]
-  p, c = cfg.num_prelude, cfg.num_layers
-  groups = {"prelude": layers[:p], "core": layers[p : p + c], "coda": layers[p + c :]}
+  p, c, k = cfg.num_prelude, cfg.num_layers, cfg.num_coda
+  n = hf_dir.config["num_hidden_layers"]
+  for i in range(p, n - k - c):  # dropped: the layers between prelude and core
+    for name in hf_dir.files:
+      if name.startswith(f"model.layers.{i}."):
+        hf_dir.skip(name)
+  groups = {
+    "prelude": [layer(i) for i in range(p)],
+    "core": [layer(i) for i in range(n - k - c, n - k)],
+    "coda": [layer(i) for i in range(n - k, n)],
+  }
   return embed_and_head(hf_dir, cfg, vocab_size) | {
     g: dict(enumerate(ls))
     for g, ls in groups.items()

@@ -29,7 +29,7 @@ import ml_collections
 import numpy as np
 
 from loopjax.errors import ConfigError
-from loopjax.pretrained import huginn
+from loopjax.pretrained import huginn, llama
 from loopjax.pretrained.hf_dir import check_config
 
 ARCHITECTURE = huginn.ARCHITECTURE
@@ -81,7 +81,7 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
     pos_encoding="rope",
     rope_theta=float(hf["rope_theta"]),
     rope_pairing="half",
-    rope_llama3=_llama3(hf.get("rope_scaling")),
+    rope_llama3=llama.rope_llama3(hf.get("rope_scaling")),
     embed_scale=embed_scale,
     num_prelude=hf["n_layers_in_prelude"],
     num_layers=hf["n_layers_in_recurrent_block"],
@@ -97,21 +97,6 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
   )
   vocab = hf.get("padded_vocab_size", hf["vocab_size"])
   return cfg, vocab, hf.get("max_position_embeddings", hf.get("block_size", 4096))
-
-
-def _llama3(scaling) -> tuple:
-  """`rope_llama3` from config.json's rope_scaling (None: no rescaling)."""
-  if scaling is None:
-    return ()
-  kind = scaling.get("rope_type", scaling.get("type"))
-  if kind != "llama3":
-    raise ConfigError(
-      f"config.json: rope_scaling must be None or of rope_type 'llama3' (not "
-      f"supported otherwise); got {kind!r}"
-    )
-  keys = ("factor", "low_freq_factor", "high_freq_factor")
-  context = int(scaling["original_max_position_embeddings"])
-  return (*(float(scaling[k]) for k in keys), context)
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:
