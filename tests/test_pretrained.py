@@ -52,6 +52,27 @@ def test_huginn_matches_its_reference_code(steps):
   np.testing.assert_allclose(m.coda_in(last_BTD), ref[f"latent_{steps}"], atol=1e-4)
 
 
+def test_any_number_of_recurrences_up_to_a_bound_is_one_program():
+  """The recurrence count as a traced argument (depth <= the bound 8): one
+  compile gives Huginn's reference logits at R = 3 and at 5."""
+  import jax
+
+  ref = reference("huginn")
+  _, model = load(FIXTURES / "huginn", config_lib.base().model,
+                  overrides={"init_state": "zeros"})  # fmt: skip
+  traces = []
+
+  @jax.jit
+  def forward(model, ids, depth):
+    traces.append(depth)
+    return model.module()(ids, None, num_loops=8, depth=depth)
+
+  for steps in (3, 5):
+    out = forward(model, ref["ids"], np.int32(steps))
+    np.testing.assert_allclose(out, ref[f"logits_{steps}"], atol=1e-4)
+  assert len(traces) == 1
+
+
 # Huginn's exit criteria (their names) -> loopjax.halting's
 HUGINN_EXITS = {
   "kl": "kl_reverse",

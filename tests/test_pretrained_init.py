@@ -91,6 +91,7 @@ def test_at_step_0_the_looped_model_is_the_pretrained_one_at_any_depth(
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_run_trains_from_the_pretrained_params_and_records_their_shapes(tmp_path):
   """Its first loss is the feedforward model's on the first batch (whatever
   depth was drawn); then it learns; config.json holds the shapes that trained."""

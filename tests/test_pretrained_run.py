@@ -29,6 +29,7 @@ def config(variant, fixture, **model):
   return c
 
 
+@pytest.mark.slow
 def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   """Huginn on the 8 shipped questions, to 6 recurrences: per-layer fixed
   points of the 2-layer core, stage statistics and attention per iteration,
@@ -57,19 +58,22 @@ def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
 
 def test_greedy_sampling_continues_as_the_full_forward_would():
   """Ouro (its state-normed readout through the key/value cache): each greedy
-  token is the argmax of the full forward over the text so far."""
+  token is the argmax of the full forward over the text before it (one
+  forward over the whole text: teacher forcing)."""
   from loopjax.data import lm
+
+  from loopjax.sample import generate
 
   c = config("ouro", "ouro")
   text = run.sample(c, "how many apples", max_new_tokens=5, temperature=0.0)
-  _, model = run.load_model(c)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
-  ids = lm.encode(tok, "how many apples")
-  m = model.module()
-  for _ in range(5):
-    ids.append(int(m(jnp.asarray([ids]), None)[0, -1].argmax()))
-  want = lm.tokenizer_from_json(tok).decode(ids, skip_special_tokens=True)
-  assert text == want and len(text) > len("how many apples")
+  prompt = lm.encode(tok, "how many apples")  # <s> and 3 words
+  _, model = run.load_model(c)
+  tokens, _ = generate(model, np.asarray([prompt]), 5, num_loops=4)
+  decoded = lm.tokenizer_from_json(tok).decode(list(map(int, tokens[0])), True)
+  assert text == decoded and tokens.shape == (1, 9)
+  logits_TV = model.module()(jnp.asarray(tokens), None)[0]
+  np.testing.assert_array_equal(np.argmax(logits_TV[3:-1], -1), tokens[0, 4:])
 
 
 def test_prompts_rows_pad_on_the_right_and_mask_the_padding():
@@ -165,6 +169,7 @@ def test_a_model_loads_into_its_shards_and_computes_the_same():
   np.testing.assert_allclose(out, ref["logits_3"], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
   """config.json without weights: the analysis pass and the forward compile
   on the target mesh; sharding the params 4 ways divides their bytes nearly
@@ -191,10 +196,12 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
 
 def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   """analyze.baseline_dir: the retrofitted model's stages and its source's
-  (here a 3-layer Llama) on the same prompts, and one figure of both; a
-  looped directory as the baseline is refused before anything loads."""
+  (here a 3-layer Llama) on the same prompts, and one figure of both, with
+  each token's exits; a looped directory as the baseline is refused before
+  anything loads."""
   c = config("retrofit", "retrofit_llama")
-  c.analyze.update(names=("stages",), max_depth=3)
+  c.analyze.update(names=("stages", "halting"), max_depth=3)
+  c.analyze.halting.update(criteria=("argmax",), patience=(1,), r_max=3)
   c.analyze.baseline_dir = str(FIXTURES / "huginn")
   with pytest.raises(ConfigError, match="must be a feedforward Llama or OLMo 2"):
     run.analyze(c, tmp_path)
@@ -205,3 +212,6 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   fed = json.loads((tmp_path / "analysis" / "baseline" / "stages.json").read_text())
   rows = fed["stages"]["prompts"]["positions"]
   assert [r["label"] for r in rows] == ["embed", "r1 l1", "r1 l2", "r1 l3"]
+  exits = json.loads((tmp_path / "analysis" / "halting.json").read_text())
+  (row,) = exits["halting"]["prompts"]["rows"]  # each token's exit, per token
+  assert row["criterion"] == "argmax" and 1 <= row["iterations"] <= 3
