@@ -52,6 +52,18 @@ def test_huginn_matches_its_reference_code(steps):
   np.testing.assert_allclose(m.coda_in(last_BTD), ref[f"latent_{steps}"], atol=1e-4)
 
 
+def test_huginns_state_after_every_iteration_is_its_reference_codes():
+  """One trace to R = 5: the state leaving each iteration (its last core
+  layer's output, through the final norm as the coda sees it) equals the
+  reference's latent state at R = 1, ..., 5."""
+  ref = reference("huginn")
+  _, model = load(FIXTURES / "huginn", config_lib.base().model,
+                  overrides={"init_state": "zeros"})  # fmt: skip
+  m = model.module()
+  states_RBTD = m.trace(ref["ids"], 5)["core"]["hidden"][:, -1]
+  np.testing.assert_allclose(m.coda_in(states_RBTD), ref["latents"], atol=1e-4)
+
+
 def test_any_number_of_recurrences_up_to_a_bound_is_one_program():
   """The recurrence count as a traced argument (depth <= the bound 8): one
   compile gives Huginn's reference logits at R = 3 and at 5."""
@@ -237,6 +249,11 @@ BAD = [
   (lambda hf: hf.update(num_hidden_layers=4), None, f"tensor {LAYER_3_Q} is missing"),
   (None, lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
   (None, lambda t: t.update(extra=np.zeros(2, np.float32)), "unexpected tensor extra"),
+  (
+    None,
+    lambda t: t.update({"model.norm.weight": np.ones(32, np.int32)}),
+    "tensor model.norm.weight is stored as int32; the model needs floating",
+  ),
   (
     None,
     lambda t: t.update({"model.norm.weight": np.ones(31, np.float32)}),

@@ -61,7 +61,6 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   token is the argmax of the full forward over the text before it (one
   forward over the whole text: teacher forcing)."""
   from loopjax.data import lm
-
   from loopjax.sample import generate
 
   c = config("ouro", "ouro")

@@ -91,6 +91,11 @@ class HfDir:
     if file not in self._open:
       self._open[file] = safe_open(self.path / file, framework="np")
     x = self._open[file].get_tensor(name)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ConfigError(
+        f"{self.path / file}: tensor {name} is stored as {x.dtype}; the model "
+        "needs floating-point weights"
+      )
     if tuple(x.shape) != tuple(shape):
       raise ConfigError(
         f"{self.path / file}: tensor {name} has shape {tuple(x.shape)}, "
