@@ -75,7 +75,9 @@ def lm_xent(logits_BTV, targets_BT, mask_BT, z_loss: float = 0.0):
   lse_BT = jax.nn.logsumexp(logits_BTV, -1)
   true_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], -1)[..., 0]
   loss_BT = lse_BT - true_BT + z_loss * lse_BT**2
-  correct_BT = logits_BTV.argmax(-1) == targets_BT
+  # The target's logit is the largest (argmax == target but for exact ties):
+  # a max, not XLA:CPU's index-tracking argmax reduce (7% of the cpu step).
+  correct_BT = true_BT >= logits_BTV.max(-1)
   return (loss_BT * mask_BT).sum(), (correct_BT * mask_BT).sum(), mask_BT.sum()
 
 
