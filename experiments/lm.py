@@ -31,7 +31,8 @@ Retrofitted recurrence (McLeish et al. 2025, LoopedLMs/retrofitting-recurrence):
 `model.init_from=hf:DIR` starts from a pretrained Llama or OLMo 2, its layers
 placed as prelude, core and coda by `model.hf_split`, the core applied R times
 after the concat adapter, which starts at [0 | I] (loopjax/pretrained/
-init_from.py). As its train.py and shells/ (tinyllama.sh, llama.sh,
+init_from.py: their OLMo converter's; their Llama converter leaves it random).
+As its train.py and shells/ (tinyllama.sh, llama.sh,
 olmo.sh): R sampled per batch, Poisson with a log-normal rate (sigma 0.5) +
 1, around a mean of 4 (their Figures 5-8; Figure 4 ramps to 32), backprop
 through every iteration (their backprop depth 8 exceeds the mean); the first

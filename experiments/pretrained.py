@@ -23,7 +23,7 @@ Variants (the family's recurrences and analysis depth; bf16):
 `--config.data.source=prompts:FILE` (one prompt per line, or JSONL with the
 prompt under data.text_field) replaces the 8 arithmetic questions shipped in
 experiments/prompts; `--config.model.hf_split=2,4,2` re-splits a feedforward
-model (retrofitting's layout at R 1 is the same function). On a CPU host,
+model (all its layers in a split, at R 1, are the same function). On a CPU host,
 `--config.model.dtype=float32`: XLA:CPU computes bf16 matmuls by converting
 the weights to float32 first, so bf16 needs more memory there, not less.
 Memory on a target mesh, from config.json alone (experiments/hf_shapes holds
@@ -46,7 +46,7 @@ HUGINN_EXITS = ("kl_reverse", "entropy_diff", "latent_diff", "cosine", "argmax")
 # variant -> (model.num_loops, analyze.max_depth, analyze.batch_size): the
 # analysis pass holds every layer of the block's outputs and attention weights
 # for a few iterations, so Ouro's 48-layer block analyzes one prompt at a time
-# (python -m loopjax.aot: docs/results/pretrained.md)
+# (python -m loopjax.aot: docs/pretrained.md)
 FAMILIES = {
   "huginn": (32, 64, 4),
   "ouro": (4, 16, 1),

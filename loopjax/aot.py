@@ -51,7 +51,7 @@ def check_pretrained(config, num_devices: int) -> dict:
   config.mesh.devices = num_devices
   mesh = sharding.make_mesh(config.mesh)
   cfg, model = load.abstract(
-    m.hf_dir, m, run.split(config), m.num_loops, m.dtype, mesh, rules
+    m.hf_dir, m, mesh, rules, run.split(config), m.num_loops, m.dtype
   )
   B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
   tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)

@@ -13,7 +13,7 @@ import math
 import ml_collections
 
 from loopjax import halting, task_checks
-from loopjax.analysis import ANALYSES, LM_ANALYSES, MECHANISTIC
+from loopjax.analysis import ANALYSES, LM_ANALYSES, LM_STREAMED, MECHANISTIC
 from loopjax.errors import ConfigError
 
 ENUMS = {
@@ -101,7 +101,7 @@ def base() -> ml_collections.ConfigDict:
     norm_type="layernorm",
     norm_eps=1e-5,
     state_norm=False,  # the final norm on the state after each iteration (Ouro)
-    exit_gate=False,  # a learned per-token exit probability per iteration (Ouro)
+    exit_gate=False,  # Ouro's exit gate, read from its checkpoint (not trained here)
     qk_norm=False,  # normalize queries and keys before RoPE (OLMo 2)
     init_state="embedding",
     init_state_std=1.0,  # "trunc_normal": N(0, std^2) cut at 3 std (Huginn)
@@ -350,6 +350,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "model.hf_split: needs model.init_from or model.hf_dir (the pretrained "
       f"model whose layers it places); got {m.hf_split!r}"
     )
+  if m.exit_gate and not m.hf_dir:
+    raise ConfigError(
+      "model.exit_gate: a pretrained model's (Ouro's, model.hf_dir sets it); "
+      "loopjax trains no exit gate"
+    )
   if a.baseline_dir and not m.hf_dir:
     raise ConfigError(
       "analyze.baseline_dir: a pretrained model's baseline; needs model.hf_dir"
@@ -387,7 +392,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "train.backprop_depth: needs model.injection add or concat (else the "
       "embeddings get no gradient through the core); got injection 'none'"
     )
-  if a.max_depth < 2 and any(n in MECHANISTIC + LM_ANALYSES for n in a.names):
+  if a.max_depth < 2 and any(n in MECHANISTIC + LM_STREAMED for n in a.names):
     raise ConfigError(
       f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)}, stages (they "
       f"compare successive iterations); got {a.max_depth}"

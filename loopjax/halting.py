@@ -22,7 +22,8 @@ iteration t, h_t: the state, T: the sequence length):
   latent      ||h_t - h_{t-1}|| / ||h_{t-1}|| < eps, over the example's whole
               state (a token's own, per token)
   latent_diff   ||h_t - h_{t-1}|| / ||h_t|| < eps per token, averaged over
-              the sequence for an example (Huginn's "latent-diff", 0.03)
+              the sequence for an example, padding included (Huginn's
+              "latent-diff", 0.03)
   cosine      1 - cos(h_t, h_{t-1}) < eps, likewise (Huginn's, 1e-3)
   argmax      argmax p_t unchanged for `patience` iterations (Huginn's
               "argmax-stability": 5)
@@ -35,8 +36,16 @@ iteration t, h_t: the state, T: the sequence length):
 `start` sets what iteration 1 is compared with: "readout", the readout of the
 initial state (LTG: then r_min 2 compares from the second iteration on), or
 "uniform", nothing yet (Huginn's evaluators: a uniform distribution, an
-entropy and an argmax that no distribution matches; its min_steps m is r_min
-m + 1 where m is 0).
+entropy and an argmax that no distribution matches). Huginn's `min_steps` 0
+is r_min 1; with min_steps m > 0 its evaluators skip their first m checks
+without updating what they compare against, which loopjax does not mirror.
+
+Per token, a token's answer freezes at its exit while every state iterates on
+to the last exit, so later tokens attend to states run that far: the exits of
+one full forward over the text, not of generation with a cache of each
+token's own last iteration (Huginn's adaptive generation checks one new token
+at a time: the per-example path, at the prompt's last position, is what its
+parity test compares).
 """
 
 from typing import NamedTuple
@@ -97,7 +106,7 @@ def adaptive(
     g = model.exit_logit(h_BTD)
     return g if per_token else g[:, 0]
 
-  logp = answer(h_BTD)
+  logp = answer(model.end_iteration(h_BTD))  # read as an iteration's output is
   U = logp.shape[:-1]
   if start == "uniform":
     logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))

@@ -152,17 +152,23 @@ def train_and_evaluate(config, workdir) -> dict:
     return _train(config, wd, task, placement)
 
 
+def _initial_state(config, task, mesh, from_pretrained: bool):
+  """`sharded_train_state`, its params model.init_from's where asked."""
+  params = init_from.params(config, mesh) if from_pretrained else None
+  out = sharded_train_state(config, task, mesh, params=params)
+  if from_pretrained:
+    m = config.model
+    print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
+  return out
+
+
 def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   mesh, rules, rows = placement
   mngr = wd.checkpoints(config.checkpoint)
-  # A pretrained model's params start a fresh run; a resumed one restores its own.
+  # A pretrained model's params start a fresh run; a resumed one restores its
+  # own (and if none restores, starts as a fresh one does, below).
   fresh = config.model.init_from and not mngr.all_steps()
-  graphdef, state, tx, shardings = sharded_train_state(
-    config, task, mesh, params=init_from.params(config, mesh) if fresh else None
-  )
-  if fresh:
-    m = config.model
-    print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
+  graphdef, state, tx, shardings = _initial_state(config, task, mesh, fresh)
   train_step = make_train_step(config, graphdef, tx, mesh, shardings)
   batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
   evaluator = evaluate.make_evaluator(
@@ -178,6 +184,8 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
         f"but {train_iter.stage} in the data iterator"
       )
     print(f"resumed from {wd.checkpoint_dir} at step {start}")
+  elif config.model.init_from and not fresh:  # every checkpoint set aside
+    state = _initial_state(config, task, mesh, True)[1]
   start = start or 0
   if start >= config.train.num_steps:
     print(f"already trained to step {start}; nothing to do")

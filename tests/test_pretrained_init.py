@@ -116,6 +116,7 @@ def test_a_run_trains_from_the_pretrained_params_and_records_their_shapes(tmp_pa
   assert saved["data"]["tokenizer"] == str(FIXTURES / "llama_gqa" / "tokenizer.json")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_restores_its_checkpoint_not_the_pretrained_params(
   tmp_path, capsys
 ):

@@ -133,9 +133,11 @@ def test_the_command_line_refuses_bad_input_with_one_line(tmp_path):
           "--config=experiments/pretrained.py:ouro",
           f"--workdir={tmp_path / 'wd'}", "--mode=analyze"]  # fmt: skip
   unknown = _dir_with(tmp_path, "ouro", lambda hf: hf.update(model_type="gpt9"))
+  c = pretrained.get_config("ouro")  # in process: a validation error
+  with pytest.raises(ConfigError, match="model.hf_dir: a local Hugging Face model"):
+    config_lib.validate(c)
   for extra, message in [
     ([f"--config.model.hf_dir={unknown}"], "model_type must be one of"),
-    (["--config.model.hf_dir="], "model.hf_dir: a local Hugging Face model directory"),
     ([f"--config.model.hf_dir={FIXTURES / 'ouro'}", "--mode=train"], "--mode=train"),
   ]:
     res = run_cmd(base + extra)
@@ -200,7 +202,7 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   anything loads."""
   c = config("retrofit", "retrofit_llama")
   c.analyze.update(names=("stages", "halting"), max_depth=3)
-  c.analyze.halting.update(criteria=("argmax",), patience=(1,), r_max=3)
+  c.analyze.halting.update(criteria=("argmax", "fixed"), patience=(1,), r_max=3)
   c.analyze.baseline_dir = str(FIXTURES / "huginn")
   with pytest.raises(ConfigError, match="must be a feedforward Llama or OLMo 2"):
     run.analyze(c, tmp_path)
@@ -212,5 +214,9 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   rows = fed["stages"]["prompts"]["positions"]
   assert [r["label"] for r in rows] == ["embed", "r1 l1", "r1 l2", "r1 l3"]
   exits = json.loads((tmp_path / "analysis" / "halting.json").read_text())
-  (row,) = exits["halting"]["prompts"]["rows"]  # each token's exit, per token
-  assert row["criterion"] == "argmax" and 1 <= row["iterations"] <= 3
+  argmax, fixed = exits["halting"]["prompts"]["rows"]  # per token
+  assert argmax["criterion"] == "argmax" and 1 < argmax["iterations"] < 3
+  assert argmax["agree"] < 1  # patience 1 exits some tokens on another answer
+  # never exiting is the r_max forward: every token, every answer, the loss
+  assert (fixed["iterations"], fixed["early"], fixed["agree"]) == (3, 0, 1)
+  assert fixed["loss"] == pytest.approx(fixed["loss_full"], abs=1e-5)

@@ -52,10 +52,12 @@ def table(model, probes: dict, config, pad: int):
       "tau": s.get("tau", 0.0),
       "patience": s.get("patience", 0),
       "tau_len": s.get("tau_len", 0.0),
+      "threshold": s.get("threshold", 1.0),
       "criterion": s["criterion"],
       "r_min": cfg.r_min,
       "r_max": cfg.r_max,
       "seq_len": cfg.seq_len,
+      "start": cfg.start,
     }
     splits = {}
     for name, split in probes.items():
@@ -70,10 +72,13 @@ def table(model, probes: dict, config, pad: int):
   return rows
 
 
-@functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max", "seq_len"))
+@functools.partial(
+  jax.jit, static_argnames=("criterion", "r_min", "r_max", "seq_len", "start")
+)
 def _answers(
-  model, batch, key, eps, tau, patience, tau_len, *, criterion, r_min, r_max, seq_len
-):
+  model, batch, key, eps, tau, patience, tau_len, threshold, *, criterion, r_min,
+  r_max, seq_len, start,
+):  # fmt: skip
   """(correct, iterations) per example; compiled once per graph and rule."""
   logp_BV, iters_B = halting.adaptive(
     model.module(),
@@ -87,6 +92,8 @@ def _answers(
     tau_len=tau_len,
     seq_len=seq_len,
     patience=patience,
+    threshold=threshold,
+    start=start,
     key=key,
   )
   return logp_BV.argmax(-1) == batch["target"], iters_B

@@ -20,25 +20,26 @@ from loopjax import halting
 from loopjax.analysis import halting_sweep
 
 
+def _nll(logp_BTV, targets_BT):
+  return -jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("r_max",))
+def _at_r_max(model, batch, key, *, r_max):
+  """Per token at r_max recurrences: the argmax and the next-token loss."""
+  logits_BTV = model.module()(batch["inputs"], None, num_loops=r_max, key=key)
+  logp_BTV = jax.nn.log_softmax(logits_BTV)
+  return logp_BTV.argmax(-1), _nll(logp_BTV, batch["targets"])
+
+
 @functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max", "start"))
-def _tokens(model, batch, key, eps, tau, patience, threshold, **static):
-  """Per token: iterations, exit argmax == r_max argmax, the losses."""
-  m = model.module()
+def _exits(model, batch, key, eps, tau, patience, threshold, **static):
+  """Per token at its exit: iterations used, the argmax, the loss."""
   logp_BTV, iters_BT = halting.adaptive(
-    m, batch["inputs"], None, eps=eps, tau=tau, patience=patience,
+    model.module(), batch["inputs"], None, eps=eps, tau=tau, patience=patience,
     threshold=threshold, key=key, **static,
   )  # fmt: skip
-  full_BTV = jax.nn.log_softmax(
-    m(batch["inputs"], None, num_loops=static["r_max"], key=key)
-  )
-  target = batch["targets"][..., None]
-  nll = lambda lp: -jnp.take_along_axis(lp, target, -1)[..., 0]  # noqa: E731
-  return {
-    "iters": iters_BT,
-    "agree": logp_BTV.argmax(-1) == full_BTV.argmax(-1),
-    "loss": nll(logp_BTV),
-    "loss_full": nll(full_BTV),
-  }
+  return iters_BT, logp_BTV.argmax(-1), _nll(logp_BTV, batch["targets"])
 
 
 def table(model, batches: list, n: int, config, key) -> dict:
@@ -46,6 +47,15 @@ def table(model, batches: list, n: int, config, key) -> dict:
   early, agree, loss, loss_full}]} over the first n rows of `batches`."""
   cfg = config.analyze.halting
   mask = np.concatenate([b["mask"] for b in batches])[:n] > 0
+
+  def tokens(outs):  # per batch (arrays,) -> per real token, concatenated
+    return [
+      np.concatenate(a)[:n][mask] for a in zip(*jax.device_get(outs), strict=True)
+    ]
+
+  full_arg, full_nll = tokens(
+    [_at_r_max(model, b, key, r_max=cfg.r_max) for b in batches]
+  )
   rows = []
   for s in halting_sweep.settings(cfg):
     kw = dict(
@@ -53,16 +63,15 @@ def table(model, batches: list, n: int, config, key) -> dict:
       threshold=s.get("threshold", 1.0), criterion=s["criterion"],
       r_min=cfg.r_min, r_max=cfg.r_max, start=cfg.start,
     )  # fmt: skip
-    outs = jax.device_get([_tokens(model, b, key, **kw) for b in batches])
-    per = {k: np.concatenate([o[k] for o in outs])[:n][mask] for k in outs[0]}
+    iters, arg, nll = tokens([_exits(model, b, key, **kw) for b in batches])
     rows.append(
       s
       | {
-        "iterations": float(per["iters"].mean()),
-        "early": float((per["iters"] < cfg.r_max).mean()),
-        "agree": float(per["agree"].mean()),
-        "loss": float(per["loss"].mean()),
-        "loss_full": float(per["loss_full"].mean()),
+        "iterations": float(iters.mean()),
+        "early": float((iters < cfg.r_max).mean()),
+        "agree": float((arg == full_arg).mean()),
+        "loss": float(nll.mean()),
+        "loss_full": float(full_nll.mean()),
       }
     )
   return {"r_max": cfg.r_max, "tokens": int(mask.sum()), "rows": rows}

@@ -116,7 +116,7 @@ def _given_tokenizer(path: str, vocab_size: int) -> str:
       f"data.tokenizer: {p} does not load as a tokenizer.json ({type(e).__name__})"
     ) from None
   n = tok.get_vocab_size()
-  if not n <= vocab_size <= padded(n):
+  if not embeds(n, vocab_size):
     raise ConfigError(
       f"data.tokenizer: {p} has {n} tokens but data.vocab_size is {vocab_size}; "
       f"set data.vocab_size={n} (or up to {padded(n)}: an embedding padded to a "
@@ -131,6 +131,14 @@ PAD_MULTIPLE = 128  # embeddings padded past their tokenizer (OLMo 2: 100278 -> 
 def padded(n: int) -> int:
   """n tokens' embedding rows rounded up to a multiple of PAD_MULTIPLE."""
   return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+def embeds(n: int, rows: int) -> bool:
+  """Whether an embedding of `rows` is one for a tokenizer of n tokens: as
+  many rows, or padded up to a multiple of PAD_MULTIPLE (a larger gap is a
+  tokenizer from another model). Training checks this; running a pretrained
+  model needs only rows >= n (`pretrained.prompts`)."""
+  return n <= rows <= padded(n)
 
 
 def special_ids(tokenizer_json: str, where: str) -> tuple[int, int, int]:

@@ -63,6 +63,8 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
     init_state="trunc_normal",
     init_state_std=math.sqrt(2 / (5 * D)) * math.sqrt(D),
     coda_norm=True,
+    exit_gate=False,
+    rope_llama3=(),
     state_norm=False,
     tie_embeddings=True,
   )

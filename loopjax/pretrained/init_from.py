@@ -12,8 +12,9 @@ that resumes restores its own checkpoint and never reads DIR's tensors.
 The concat adapter, which DIR lacks, starts as retrofitting's OLMo converter
 sets it: [0 | I], the state's half zero and the input's the identity, so each
 iteration starts from the prelude's output whatever the state, and at step 0
-the looped model is DIR's model at every R (its Llama converter leaves torch's
-random init, which makes even R = 1 another function). With injection add or
+the looped model is DIR's model, less the layers a split drops, at every R
+(its Llama converter leaves torch's random init, which makes even R = 1
+another function). With injection add or
 none, the state enters as those options say.
 """
 
@@ -55,7 +56,7 @@ def resolve(config):
     raise ConfigError(
       f"model.init_from: {tokenizer} does not load as a tokenizer ({type(e).__name__})"
     ) from None
-  if not n <= vocab_size <= lm.padded(n):
+  if not lm.embeds(n, vocab_size):
     raise ConfigError(
       f"data.tokenizer: {tokenizer} has {n} tokens but {path}'s embedding has "
       f"{vocab_size} rows (at most {lm.padded(n)} would be padding); a tokenizer "

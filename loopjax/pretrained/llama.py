@@ -70,8 +70,15 @@ def rope_llama3(scaling) -> tuple:
     raise ConfigError(
       f"config.json: rope_scaling of rope_type 'llama3' lacks {missing[0]}"
     )
+  factor, low, high = (float(scaling[k]) for k in keys)
   context = int(scaling["original_max_position_embeddings"])
-  return (*(float(scaling[k]) for k in keys), context)
+  if not (factor >= 1 and 0 < low < high and context > 0):
+    raise ConfigError(
+      "config.json: rope_scaling llama3 needs factor >= 1, 0 < low_freq_factor "
+      f"< high_freq_factor and a positive context; got {factor}, {low}, {high}, "
+      f"{context}"
+    )
+  return factor, low, high, context
 
 
 def decoder_config(hf: dict, base, architecture: str, fixed: dict):
@@ -109,6 +116,7 @@ def decoder_config(hf: dict, base, architecture: str, fixed: dict):
     init_state="embedding",
     state_norm=False,
     exit_gate=False,
+    coda_norm=False,
     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
   )
   return cfg, hf["vocab_size"], hf.get("max_position_embeddings", 2048)

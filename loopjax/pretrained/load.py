@@ -50,9 +50,10 @@ def load(
 ):  # fmt: skip
   """(model config, Model) of the directory `path` (see `resolve`);
   `overrides`: model fields set after the family's (e.g. init_state "zeros"
-  for a deterministic first state). bfloat16 keeps a 3.5B model at 7 GB on
-  the host, each tensor read once and, on a `mesh`, put straight into its
-  shards by the logical-axis `rules` (the host holds it until all are put)."""
+  for a deterministic first state). The family's mapping builds every host
+  array in the target dtype (bfloat16: a 3.5B model in 7 GB), then each is
+  put on the device, or on a `mesh` into its shards by the logical-axis
+  `rules`, and its host copy dropped: the host peaks at about one copy."""
   hf, family, cfg, vocab_size, max_len = resolve(path, base, split, num_loops, dtype)
   cfg.update(overrides or {})
   shapes = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
@@ -80,7 +81,7 @@ def load(
   return cfg, Model(graphdef, state, cfg.dtype)
 
 
-def abstract(path, base, split=None, num_loops=None, dtype=None, mesh=None, rules=()):
+def abstract(path, base, mesh, rules, split=None, num_loops=None, dtype=None):
   """(model config, Model) of a directory's config.json alone: every param a
   ShapeDtypeStruct, sharded on `mesh` by `rules` (ahead-of-time compiles)."""
   _, _, cfg, vocab_size, max_len = resolve(path, base, split, num_loops, dtype, False)

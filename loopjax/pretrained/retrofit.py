@@ -93,6 +93,7 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
     init_state_std=std if std > 0 else 1.0,
     coda_norm=False,
     state_norm=False,
+    exit_gate=False,
     tie_embeddings=bool(hf.get("tie_embeddings", True)),
   )
   vocab = hf.get("padded_vocab_size", hf["vocab_size"])

@@ -60,6 +60,13 @@ def prepare(config, workdir):
   workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
   task = prompts_lib.task(config, tokenizer(config), prompts)
+  h, m = config.analyze.halting, config.model
+  cfg = resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)[2]
+  if "halting" in config.analyze.names and "gate" in h.criteria and not cfg.exit_gate:
+    raise ConfigError(
+      "analyze.halting.criteria: 'gate' reads an exit gate (Ouro's); "
+      f"{m.hf_dir} has none"
+    )
   wd = Workdir(workdir)
   wd.check(config)
   wd.check_writable()
@@ -80,6 +87,7 @@ def analyze(config, workdir) -> list[Path]:
   written = _run(config, cfg, model, task, prompts, out)
   if baseline is None:
     return written
+  del model  # one model in memory at a time
   cfg, model = load_model(baseline)
   written += _run(baseline, cfg, model, base_task, prompts, out / "baseline")
   looped, fed = (
@@ -88,10 +96,16 @@ def analyze(config, workdir) -> list[Path]:
   return written + stage_figures.compare(looped, fed, out)
 
 
+def _over_base(config):
+  """`config` as a mutable copy over base()'s fields."""
+  out = config_lib.base()
+  out.unlock()
+  out.update(config.to_dict())
+  return out
+
+
 def _run(config, cfg, model, task, prompts, out: Path) -> list[Path]:
-  run_config = config_lib.base()
-  run_config.unlock()
-  run_config.update(config.to_dict())
+  run_config = _over_base(config)
   run_config.model = cfg  # the directory's shapes, for the memory report
   probe = prompts_lib.batches(task, prompts, config.analyze.batch_size)
   return analyze_lm.run(run_config, task, model, 0, out, probe, "prompts")
@@ -107,9 +121,7 @@ def _baseline_config(config):
     raise ConfigError(
       "analyze.baseline_dir: compares stages; add 'stages' to analyze.names"
     )
-  b = config_lib.base()
-  b.unlock()
-  b.update(config.to_dict())
+  b = _over_base(config)
   b.model.update(hf_dir=path, hf_split="", num_loops=1)
   b.analyze.update(names=("stages",), max_depth=1, baseline_dir="")
   hf, family, *_ = resolve(path, b.model, weights=False)
