@@ -145,6 +145,22 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   return cfg, vocab_size, max_len
 
 
+def attention(hf_dir, cfg, q_DQ, k_DQ, v_DQ, o_QD, norms_at: str) -> dict:
+  """loopjax's attention params from (in, out) projections: one fused wqkv
+  (D, 3, N, H) when K = N, else wq (D, N, H) and wkv (D, 2, K, H); wo (N, H,
+  D); the q / k norms under `norms_at` where `qk_norm` (OLMo 2's)."""
+  D, N = cfg.d_model, cfg.num_heads
+  K, H = cfg.num_kv_heads or N, D // N
+  q, k, v = q_DQ.reshape(D, N, H), k_DQ.reshape(D, K, H), v_DQ.reshape(D, K, H)
+  attn = {"wo": o_QD.reshape(N, H, D), "bo": hf_dir.zeros(D)}
+  if cfg.qk_norm:
+    attn["q_norm"] = {"scale": hf_dir.take(norms_at + "q_norm.weight", (N * H,))}
+    attn["k_norm"] = {"scale": hf_dir.take(norms_at + "k_norm.weight", (K * H,))}
+  if K == N:
+    return attn | {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
+  return attn | {"wq": q, "wkv": np.stack([k, v], 1)}
+
+
 def attention_mlp(hf_dir, cfg, at: str) -> dict:
   """A Llama-style layer's attention and SwiGLU params from the tensors under
   `at` ("model.layers.i."): q/k/v/o and gate/up/down projections, OLMo 2's
@@ -152,18 +168,11 @@ def attention_mlp(hf_dir, cfg, at: str) -> dict:
   D, N = cfg.d_model, cfg.num_heads
   K, H, F = cfg.num_kv_heads or N, D // N, cfg.mlp_hidden
   get = hf_dir.take
-  q = get(at + "self_attn.q_proj.weight", (N * H, D)).T.reshape(D, N, H)
-  k = get(at + "self_attn.k_proj.weight", (K * H, D)).T.reshape(D, K, H)
-  v = get(at + "self_attn.v_proj.weight", (K * H, D)).T.reshape(D, K, H)
-  o = get(at + "self_attn.o_proj.weight", (D, N * H)).T.reshape(N, H, D)
-  attn = {"wo": o, "bo": hf_dir.zeros(D)}
-  if cfg.qk_norm:
-    attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (N * H,))}
-    attn["k_norm"] = {"scale": get(at + "self_attn.k_norm.weight", (K * H,))}
-  if K == N:
-    attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
-  else:
-    attn |= {"wq": q, "wkv": np.stack([k, v], 1)}
+  q_DQ = get(at + "self_attn.q_proj.weight", (N * H, D)).T
+  k_DQ = get(at + "self_attn.k_proj.weight", (K * H, D)).T
+  v_DQ = get(at + "self_attn.v_proj.weight", (K * H, D)).T
+  o_QD = get(at + "self_attn.o_proj.weight", (D, N * H)).T
+  attn = attention(hf_dir, cfg, q_DQ, k_DQ, v_DQ, o_QD, at + "self_attn.")
   gate = get(at + "mlp.gate_proj.weight", (F, D)).T
   up = get(at + "mlp.up_proj.weight", (F, D)).T
   return {

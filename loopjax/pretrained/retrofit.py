@@ -109,20 +109,9 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
   def block(at):
     w_DQ = get(at + "attn.Wqkv.weight", ((N + 2 * K) * H, D)).T
     q_DQ, k_DQ, v_DQ = np.split(w_DQ, [N * H, (N + K) * H], axis=1)
-    q, k, v = q_DQ.reshape(D, N, H), k_DQ.reshape(D, K, H), v_DQ.reshape(D, K, H)
-    attn = {
-      "wo": get(at + "attn.proj.weight", (D, N * H)).T.reshape(N, H, D),
-      "bo": hf_dir.zeros(D),
-    }
-    if K == N:
-      attn |= {"wqkv": np.stack([q, k, v], 1), "bqkv": hf_dir.zeros(3, N, H)}
-    else:
-      attn |= {"wq": q, "wkv": np.stack([k, v], 1)}
-    if cfg.qk_norm:
-      attn["q_norm"] = {"scale": get(at + "attn.q_norm.weight", (N * H,))}
-      attn["k_norm"] = {"scale": get(at + "attn.k_norm.weight", (K * H,))}
+    o_QD = get(at + "attn.proj.weight", (D, N * H)).T
     return {
-      "attn": attn,
+      "attn": llama.attention(hf_dir, cfg, q_DQ, k_DQ, v_DQ, o_QD, at + "attn."),
       "mlp": {
         "w_in": get(at + "mlp.fc.weight", (2 * F, D)).T.reshape(D, 2, F),
         "w_out": get(at + "mlp.proj.weight", (D, F)).T,
