@@ -100,6 +100,17 @@ def _load_config(wd: Workdir):
   )
 
 
+def _sampling() -> dict:
+  """--mode=sample's flags, as `sample.generate`'s arguments."""
+  return dict(
+    num_loops=FLAGS.num_loops,
+    max_new_tokens=FLAGS.max_new_tokens,
+    temperature=FLAGS.temperature,
+    top_k=FLAGS.top_k,
+    seed=FLAGS.sample_seed,
+  )
+
+
 def _pretrained(config, workdir: Path) -> None:
   """--mode=analyze or sample on model.hf_dir (loopjax.pretrained.run)."""
   from loopjax.pretrained import run
@@ -108,17 +119,7 @@ def _pretrained(config, workdir: Path) -> None:
     paths = run.analyze(config, workdir)
     print("wrote " + ", ".join(map(str, paths)))
   elif FLAGS.mode == "sample":
-    print(
-      run.sample(
-        config,
-        FLAGS.prompt,
-        num_loops=FLAGS.num_loops,
-        max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k,
-        seed=FLAGS.sample_seed,
-      )
-    )
+    print(run.sample(config, FLAGS.prompt, **_sampling()))
   else:
     raise ConfigError(
       f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
@@ -196,17 +197,7 @@ def main(argv):
     elif FLAGS.mode == "sample":
       Workdir(workdir).check(config)
       print(
-        sample.sample(
-          config,
-          workdir,
-          FLAGS.prompt,
-          step=FLAGS.step,
-          num_loops=FLAGS.num_loops,
-          max_new_tokens=FLAGS.max_new_tokens,
-          temperature=FLAGS.temperature,
-          top_k=FLAGS.top_k,
-          seed=FLAGS.sample_seed,
-        )
+        sample.sample(config, workdir, FLAGS.prompt, step=FLAGS.step, **_sampling())
       )
     else:
       Workdir(workdir).check(config)

@@ -96,6 +96,19 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
       **dict(zip(("norm1", "norm1_out", "norm2", "norm2_out"), norms, strict=True)),
     }
 
+  out = raven_params(hf_dir, cfg, vocab_size, block)
+  hf_dir.skip("freqs_cis")  # the RoPE table, recomputed
+  if "lm_head.weight" in hf_dir.files:  # tied: stored by some exports too
+    hf_dir.skip("lm_head.weight")
+  return out
+
+
+def raven_params(hf_dir, cfg, vocab_size: int, block) -> dict:
+  """The params of Raven's layout (Huginn's and the retrofitted models'):
+  embedding, final norm, adapter, and prelude / core / coda of `block(at)`,
+  one block's params from the tensors under `at`."""
+  D, get = cfg.d_model, hf_dir.take
+
   def group(name, n):
     return {i: block(f"transformer.{name}.{i}.") for i in range(n)}
 
@@ -106,12 +119,8 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
     "adapter": get("transformer.adapter.weight", (D, 2 * D)).T,
     "adapter_b": hf_dir.zeros(D),
   }
-  out |= {
+  return out | {
     g: group(g, n)
     for g, n in (("prelude", cfg.num_prelude), ("coda", cfg.num_coda))
     if n
   }
-  hf_dir.skip("freqs_cis")  # the RoPE table, recomputed
-  if "lm_head.weight" in hf_dir.files:  # tied: stored by some exports too
-    hf_dir.skip("lm_head.weight")
-  return out

@@ -120,21 +120,7 @@ def params(hf_dir, cfg, vocab_size: int) -> dict:
       "norm2": {"scale": get(at + "norm_2.weight", (D,))},
     }
 
-  def group(name, n):
-    return {i: block(f"transformer.{name}.{i}.") for i in range(n)}
-
-  out = {
-    "embed": get("transformer.wte.weight", (vocab_size, D)),
-    "norm": {"scale": get("transformer.ln_f.weight", (D,))},
-    "core": group("core_block", cfg.num_layers),
-    "adapter": get("transformer.adapter.weight", (D, 2 * D)).T,
-    "adapter_b": hf_dir.zeros(D),
-  }
-  out |= {
-    g: group(g, n)
-    for g, n in (("prelude", cfg.num_prelude), ("coda", cfg.num_coda))
-    if n
-  }
+  out = huginn.raven_params(hf_dir, cfg, vocab_size, block)
   if not cfg.tie_embeddings:
     out["unembed"] = get("lm_head.weight", (vocab_size, D)).T
   elif "lm_head.weight" in hf_dir.files:  # tied: some exports store it anyway
