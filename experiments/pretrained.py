@@ -40,6 +40,7 @@ from loopjax import config as config_lib
 from loopjax.analysis import LM_ANALYSES, LM_STREAMED
 
 PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
+SHAPES = Path(__file__).parent / "hf_shapes"  # published models' config.json
 # Huginn's exit criteria (its names: kl, entropy-diff, latent-diff, cosine,
 # argmax-stability) as loopjax.halting's
 HUGINN_EXITS = ("kl_reverse", "entropy_diff", "latent_diff", "cosine", "argmax")
@@ -57,8 +58,15 @@ FAMILIES = {
 
 
 def get_config(variant: str = "huginn"):
+  if variant == "huginn_random":  # Huginn-0125's shape, random weights: the
+    c = get_config("huginn")  # accelerator check (python -m loopjax.bench pretrained)
+    c.variant = variant
+    c.model.hf_dir = str(SHAPES / "huginn-0125")
+    return c
   if variant not in FAMILIES:
-    raise ValueError(f"variant: must be one of {', '.join(FAMILIES)}; got {variant!r}")
+    raise ValueError(
+      f"variant: must be one of {', '.join(FAMILIES)}, huginn_random; got {variant!r}"
+    )
   c = config_lib.base()
   c.variant = variant
   c.data.update(task="lm", source=f"prompts:{PROMPTS}", text_field="question")

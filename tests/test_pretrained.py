@@ -95,7 +95,13 @@ HUGINN_EXITS = {
 }
 
 
-@pytest.mark.parametrize("theirs", HUGINN_EXITS)
+@pytest.mark.parametrize(
+  "theirs",
+  [
+    c if c in ("kl", "argmax-stability") else pytest.param(c, marks=pytest.mark.slow)
+    for c in HUGINN_EXITS
+  ],
+)
 def test_huginns_exit_criteria_decide_as_its_reference_does(theirs):
   """Each criterion, at a threshold where 8 prompts exit at different steps:
   the step each prompt's next token exits at, and the token, are the

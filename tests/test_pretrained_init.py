@@ -59,7 +59,9 @@ def config(tmp_path, directory=FIXTURES / "llama_gqa", **model):
   return c
 
 
-@pytest.mark.parametrize("fixture", ["llama_gqa", "olmo2"])
+@pytest.mark.parametrize(
+  "fixture", ["llama_gqa", pytest.param("olmo2", marks=pytest.mark.slow)]
+)
 def test_at_step_0_the_looped_model_is_the_pretrained_one_at_any_depth(
   tmp_path, fixture
 ):

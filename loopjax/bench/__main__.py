@@ -13,7 +13,9 @@ compile and step time, and memory with and without remat, across depths R.
 depth (scan to R_max with masks: one program) against fixed R, which is also
 what a cache of one compiled program per depth would run. `halting`: inference
 with adaptive halting's `while_loop` against the fixed scan at equal iterations.
-`devices`: what JAX sees and each device's memory. `accelerator`: the parts of
+`devices`: what JAX sees and each device's memory. `pretrained`: a pretrained
+family at full size with random weights, its forward and analysis pass
+(loopjax/bench/pretrained.py). `accelerator`: the parts of
 the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 --out a directory.
 """
@@ -28,7 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from loopjax import recurrence
-from loopjax.bench import accelerator, measure, steps
+from loopjax.bench import accelerator, measure, pretrained, steps
 from loopjax.data import kg, tfds_kg
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
@@ -190,6 +192,7 @@ BENCHMARKS = {
   "depth": bench_depth,
   "halting": bench_halting,
   "devices": bench_devices,
+  "pretrained": pretrained.bench,
 }
 
 

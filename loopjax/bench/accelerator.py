@@ -17,9 +17,10 @@ bf16 matmul peak, compile time, peak memory); `train_sysgen_paper` (LTG's
 systematicity setting trained for a fixed wall time with its checkpoints and
 evaluations: steps/s end to end, input pipeline included, and the projected
 time to its step count); `lm_step` (the train step of experiments/lm.py:gpu,
-a ~130M-parameter looped LM in bf16: tokens/s, MFU); `huginn_forward` once
-the code it times is in the repository (recorded as skipped, with why, until
-then).
+a ~130M-parameter looped LM in bf16: tokens/s, MFU); `huginn_forward`
+(Huginn-0125's shape with random bf16 weights placed on the device: the
+forward at R 32 and MECH's analysis pass to 64 recurrences over 4 prompts of
+256 tokens: compile time, seconds per prompt, memory).
 """
 
 import json
@@ -162,8 +163,20 @@ def parts(smoke: bool, scratch: pathlib.Path) -> list[Part]:
     ),
     Part(
       "huginn_forward",
-      t(60, 180),
-      _bench("pretrained", "experiments/pretrained.py:huginn_random"),
+      t(60, 240),
+      _bench(
+        "pretrained",
+        "experiments/pretrained.py:huginn_random",
+        *(
+          (
+            "--config.model.hf_dir=tests/fixtures/hf/huginn",
+            "--config.analyze.max_depth=4",
+            "--config.data.seq_len=16",
+          )
+          if smoke
+          else ()
+        ),
+      ),
       needs="experiments/pretrained.py",
     ),
   ]
