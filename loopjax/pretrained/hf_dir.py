@@ -42,7 +42,7 @@ class HfDir:
   (`take`), each read when asked for; weights=False: config.json alone."""
 
   def __init__(self, path, dtype: str = "float32", weights: bool = True):
-    self.path, self.dtype = Path(path), jnp.dtype(dtype)
+    self.path, self.dtype = Path(path).expanduser(), jnp.dtype(dtype)
     if not (self.path / "config.json").is_file():
       raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
     try:

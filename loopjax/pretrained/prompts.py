@@ -21,7 +21,7 @@ from loopjax.errors import ConfigError
 
 def tokenizer_json(hf_dir, vocab_size: int) -> str:
   """The directory's tokenizer.json, whose vocabulary must fit the embedding."""
-  path = Path(hf_dir) / "tokenizer.json"
+  path = Path(hf_dir).expanduser() / "tokenizer.json"
   if not path.is_file():
     raise ConfigError(f"model.hf_dir: {path.parent} has no tokenizer.json")
   text = path.read_text()
