@@ -45,13 +45,13 @@ def check_pretrained(config, num_devices: int) -> dict:
 
   from loopjax import sharding
   from loopjax.analysis import depth_scan
-  from loopjax.pretrained import load, run
+  from loopjax.pretrained import load
 
   m, rules = config.model, tuple(config.sharding.rules)
   config.mesh.devices = num_devices
   mesh = sharding.make_mesh(config.mesh)
   cfg, model = load.abstract(
-    m.hf_dir, m, mesh, rules, run.split(config), m.num_loops, m.dtype
+    m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
   B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
   tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)

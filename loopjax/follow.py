@@ -159,6 +159,6 @@ def _wait_for_config(wd: Workdir, config, poll_s: float):
 
 def _wait_for(ready, what, poll_s: float) -> None:
   if not ready():
-    print(f"follow: waiting for {what}")
+    print(f"follow: waiting for {what}", flush=True)  # a pipe would hold it
   while not ready():
     time.sleep(poll_s)

@@ -51,6 +51,9 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
 ):
   workdir, data_dir = tmp_path / "run", tmp_path / "data"
   first = _follower(workdir)  # before the trainer has written anything
+  # Its first line, before the trainer starts (else the two race for config.json).
+  head = first.stdout.readline()
+  assert "waiting for" in head, head  # it started before config.json existed
   trainer = subprocess.Popen(
     cli(workdir, data_dir, *STEPS),
     stdout=subprocess.PIPE,
@@ -63,9 +66,8 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
     assert first.poll() is None, first.communicate()[0][-3000:]
     time.sleep(0.05)
   first.send_signal(signal.SIGKILL)
-  out_first = first.communicate()[0]
+  first.communicate()  # reaped
   at_kill = _evaluated(workdir)
-  assert "waiting for" in out_first  # it started before config.json existed
   second = _follower(workdir)
   out_train = trainer.communicate(timeout=180)[0]
   out_second = second.communicate(timeout=180)[0]

@@ -17,7 +17,7 @@ import numpy as np
 from loopjax import sharding
 from loopjax.analysis import depth_scan
 from loopjax.bench import measure
-from loopjax.pretrained import load, run
+from loopjax.pretrained import load
 from loopjax.state import Model
 
 
@@ -27,7 +27,7 @@ def random_model(config):
   m, rules = config.model, tuple(config.sharding.rules)
   mesh = sharding.make_mesh(config.mesh)
   cfg, shapes = load.abstract(
-    m.hf_dir, m, mesh, rules, run.split(config), m.num_loops, m.dtype
+    m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
   leaves, tree = jax.tree.flatten(shapes.params)
 

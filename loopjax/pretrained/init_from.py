@@ -23,9 +23,9 @@ from flax import nnx
 
 from loopjax.data import lm
 from loopjax.errors import ConfigError
-from loopjax.pretrained import llama, run
+from loopjax.pretrained import llama
 from loopjax.pretrained.hf_dir import HfDir
-from loopjax.pretrained.load import load
+from loopjax.pretrained.load import load, split
 from loopjax.task_checks import hf_path
 
 # `model` fields the family's config sets to a feedforward model's values that
@@ -48,7 +48,7 @@ def resolve(config):
       f"model.init_from: {path} must hold a feedforward {' or '.join(llama.LAYOUTS)} "
       f"model; got model_type {hf.get('model_type')!r}"
     )
-  cfg, vocab_size, _ = llama.model_config(hf, m, run.split(config), m.num_loops)
+  cfg, vocab_size, _ = llama.model_config(hf, m, split(config), m.num_loops)
   tokenizer = path / "tokenizer.json"
   try:
     n = lm.tokenizer_from_json(tokenizer.read_text()).get_vocab_size()
@@ -75,7 +75,7 @@ def params(config, mesh=None) -> dict:
   zero bias, on the host."""
   m, rules = config.model, tuple(config.sharding.rules)
   _, model = load(
-    hf_path(m.init_from), m, run.split(config), m.num_loops, "float32",
+    hf_path(m.init_from), m, split(config), m.num_loops, "float32",
     mesh=mesh, rules=rules,
   )  # fmt: skip
   pure = nnx.to_pure_dict(model.params)

@@ -22,6 +22,21 @@ FAMILIES = {
 }
 
 
+def split(config):
+  """`model.hf_split` "p,c,k" as a tuple (None: the family's own layout)."""
+  text = config.model.hf_split
+  if not text:
+    return None
+  try:
+    p, c, k = (int(x) for x in text.split(","))
+  except ValueError:
+    raise ConfigError(
+      f"model.hf_split: must be 'prelude,core,coda' layer counts, e.g. 2,4,2; "
+      f"got {text!r}"
+    ) from None
+  return p, c, k
+
+
 def resolve(path, base, split=None, num_loops=None, dtype=None, weights=True):
   """(HfDir, family module, model config, vocab size, max length) of the
   directory `path`; `base`: the `model` section the family's fields are set

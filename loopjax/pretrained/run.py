@@ -20,23 +20,8 @@ from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.pretrained import llama
 from loopjax.pretrained import prompts as prompts_lib
-from loopjax.pretrained.load import load, resolve
+from loopjax.pretrained.load import load, resolve, split
 from loopjax.workdir import Workdir, write_atomic
-
-
-def split(config):
-  """`model.hf_split` "p,c,k" as a tuple (None: the family's own layout)."""
-  text = config.model.hf_split
-  if not text:
-    return None
-  try:
-    p, c, k = (int(x) for x in text.split(","))
-  except ValueError:
-    raise ConfigError(
-      f"model.hf_split: must be 'prelude,core,coda' layer counts, e.g. 2,4,2; "
-      f"got {text!r}"
-    ) from None
-  return p, c, k
 
 
 def load_model(config):
