@@ -100,7 +100,7 @@ def adaptive(
 
   def exit_logit(h_BTD):
     if criterion != "gate":  # a model without a gate has none to read
-      return jnp.zeros(h_BTD.shape[: 1 if answer_pos_B is not None else 2])
+      return jnp.zeros(h_BTD.shape[: 2 if per_token else 1])
     if not per_token:
       h_BTD = jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)
     g = model.exit_logit(h_BTD)
