@@ -163,7 +163,7 @@ def parts(smoke: bool, scratch: pathlib.Path) -> list[Part]:
     ),
     Part(
       "huginn_forward",
-      t(60, 240),
+      t(60, 180),
       _bench(
         "pretrained",
         "experiments/pretrained.py:huginn_random",
