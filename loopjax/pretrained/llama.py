@@ -81,32 +81,41 @@ def rope_llama3(scaling) -> tuple:
   return factor, low, high, context
 
 
-def decoder_config(hf: dict, base, architecture: str, fixed: dict):
-  """(loopjax `model` config, vocab size, max length) of a Llama-style
-  decoder's config.json `hf` (Llama, OLMo 2, Ouro): its shapes, RoPE and norms,
-  every layer in the core, applied once, from `base` (a `model` section)."""
-  check_config(hf, architecture, fixed)
-  D, N = hf["hidden_size"], hf["num_attention_heads"]
+def swiglu_rope(hf: dict, D: int, N: int, names: tuple) -> dict:
+  """The `model` fields of a Llama-style block in config.json `hf` (d_model
+  D and N heads under `names`): grouped-query attention, a SwiGLU MLP,
+  RMSNorm, rotate-half RoPE with Llama 3's rescaling where rope_scaling says."""
   K = hf.get("num_key_value_heads") or N
   if hf.get("head_dim", D // N) * N != D:
     raise ConfigError(
-      f"config.json: head_dim must be hidden_size / num_attention_heads "
-      f"({D // N}); got {hf['head_dim']}"
+      f"config.json: head_dim must be {names[0]} / {names[1]} ({D // N}); "
+      f"got {hf['head_dim']}"
     )
-  cfg = ml_collections.ConfigDict(base.to_dict())
-  cfg.update(
+  return dict(
     d_model=D,
     num_heads=N,
     num_kv_heads=0 if K == N else K,
     mlp_type="swiglu",
     mlp_hidden=hf["intermediate_size"],
     norm_type="rmsnorm",
+    pos_encoding="rope",
+    rope_pairing="half",
+    rope_llama3=rope_llama3(hf.get("rope_scaling")),
+  )
+
+
+def decoder_config(hf: dict, base, architecture: str, fixed: dict):
+  """(loopjax `model` config, vocab size, max length) of a Llama-style
+  decoder's config.json `hf` (Llama, OLMo 2, Ouro): its shapes, RoPE and norms,
+  every layer in the core, applied once, from `base` (a `model` section)."""
+  check_config(hf, architecture, fixed)
+  D, N = hf["hidden_size"], hf["num_attention_heads"]
+  cfg = ml_collections.ConfigDict(base.to_dict())
+  cfg.update(
+    swiglu_rope(hf, D, N, ("hidden_size", "num_attention_heads")),
     qk_norm=False,
     norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-    pos_encoding="rope",
     rope_theta=float(hf.get("rope_theta", 10_000.0)),
-    rope_pairing="half",
-    rope_llama3=rope_llama3(hf.get("rope_scaling")),  # Llama 3.1 / 3.2
     embed_scale=1.0,
     num_prelude=0,
     num_layers=hf["num_hidden_layers"],

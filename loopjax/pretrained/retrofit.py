@@ -51,11 +51,7 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
       "model.hf_split: a retrofitted model's prelude, core and coda are its own"
     )
   D, N = hf["n_embd"], hf["n_heads"]
-  K = hf.get("num_key_value_heads") or N
-  if hf.get("head_dim", D // N) * N != D:
-    raise ConfigError(
-      f"config.json: head_dim must be n_embd / n_heads ({D // N}); got {hf['head_dim']}"
-    )
+  shape = llama.swiglu_rope(hf, D, N, ("n_embd", "n_heads"))  # checks head_dim
   if "rope_theta" not in hf:
     raise ConfigError("config.json: rope_theta is missing (the RoPE base it needs)")
   init = hf.get("init_values") or {}
@@ -69,19 +65,11 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
     )
   cfg = ml_collections.ConfigDict(base.to_dict())
   cfg.update(
-    d_model=D,
-    num_heads=N,
-    num_kv_heads=0 if K == N else K,
-    mlp_type="swiglu",
-    mlp_hidden=hf["intermediate_size"],
-    norm_type="rmsnorm",
+    shape,
     norm_position="res_post" if source == "olmo2" else "pre",
     norm_eps=float(hf.get("norm_eps", 1e-6)),
     qk_norm=source == "olmo2",
-    pos_encoding="rope",
     rope_theta=float(hf["rope_theta"]),
-    rope_pairing="half",
-    rope_llama3=llama.rope_llama3(hf.get("rope_scaling")),
     embed_scale=embed_scale,
     num_prelude=hf["n_layers_in_prelude"],
     num_layers=hf["n_layers_in_recurrent_block"],
