@@ -222,7 +222,7 @@ def base() -> ml_collections.ConfigDict:
   return c
 
 
-def _llama3_ok(v) -> bool:
+def llama3_ok(v) -> bool:
   """`model.rope_llama3` is off, or four finite numbers its blend can use."""
   if len(v) == 0:
     return True
@@ -299,7 +299,7 @@ _BOUNDS = {
   "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "model.init_state_std": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "model.rope_llama3": (
-    _llama3_ok,
+    llama3_ok,
     "must be () or (factor >= 1, low_freq_factor > 0, high_freq_factor > "
     "low_freq_factor, original context length >= 1)",
   ),

@@ -26,6 +26,7 @@ across heads before RoPE (`qk_norm`: q_norm / k_norm).
 import ml_collections
 import numpy as np
 
+from loopjax.config import llama3_ok
 from loopjax.errors import ConfigError
 from loopjax.pretrained.hf_dir import check_config
 
@@ -70,15 +71,16 @@ def rope_llama3(scaling) -> tuple:
     raise ConfigError(
       f"config.json: rope_scaling of rope_type 'llama3' lacks {missing[0]}"
     )
-  factor, low, high = (float(scaling[k]) for k in keys)
-  context = int(scaling["original_max_position_embeddings"])
-  if not (factor >= 1 and 0 < low < high and context > 0):
+  out = (
+    *(float(scaling[k]) for k in keys),
+    int(scaling["original_max_position_embeddings"]),
+  )
+  if not llama3_ok(out):  # model.rope_llama3's own rule
     raise ConfigError(
       "config.json: rope_scaling llama3 needs factor >= 1, 0 < low_freq_factor "
-      f"< high_freq_factor and a positive context; got {factor}, {low}, {high}, "
-      f"{context}"
+      f"< high_freq_factor and a positive context; got {out}"
     )
-  return factor, low, high, context
+  return out
 
 
 def swiglu_rope(hf: dict, D: int, N: int, names: tuple) -> dict:
