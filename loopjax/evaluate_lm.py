@@ -31,7 +31,9 @@ def per_iteration_sums(model: Model, batch, num_loops: int, key):
 
   def readout(h_BTD):
     h_BTD = m.coda_out(h_BTD, seg)
-    return loss.lm_row_sums(m.logits, h_BTD, batch["targets"], batch["mask"])[:2]
+    return loss.lm_row_sums(
+      lambda h: m.logits(h, m.readout_norm), h_BTD, batch["targets"], batch["mask"]
+    )[:2]
 
   _, (loss_RB, correct_RB) = recurrence.unroll(
     lambda h: m.core_step(h, x_BTD, segments_BT=seg),

@@ -2,6 +2,8 @@
 token, after the iterations `train.supervise` names. A language model:
 next-token cross-entropy over every real target (`lm_loss_fn`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -66,26 +68,36 @@ def loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
   return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
 
 
+def _xent_terms(logits_MV, targets_M, z_loss: float):
+  """Per position (M,): loss (+ z-loss), correct, and what the gradient needs:
+  the max-shifted exponentials (M, V), their sum and the logsumexp."""
+  max_M = logits_MV.max(-1)
+  exp_MV = jnp.exp(logits_MV - max_M[:, None])
+  sum_M = exp_MV.sum(-1)
+  lse_M = max_M + jnp.log(sum_M)
+  true_M = jnp.take_along_axis(logits_MV, targets_M[:, None], -1)[:, 0]
+  loss_M = lse_M - true_M + z_loss * lse_M**2
+  # The target's logit is the largest (argmax == target but for exact ties):
+  # a max, not XLA:CPU's index-tracking argmax reduce (7% of the cpu step).
+  return loss_M, true_M >= max_M, (exp_MV, sum_M, lse_M)
+
+
 def lm_xent(logits_BTV, targets_BT, mask_BT, z_loss: float = 0.0):
   """(summed masked cross-entropy (+ z-loss), summed correct, mask total).
 
   z-loss (PaLM): z * logsumexp(logits)^2 keeps the softmax normalizer near 1,
   which bf16 logits of large vocabularies need to stay stable."""
-  logits_BTV = logits_BTV.astype(jnp.float32)
-  lse_BT = jax.nn.logsumexp(logits_BTV, -1)
-  true_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], -1)[..., 0]
-  loss_BT = lse_BT - true_BT + z_loss * lse_BT**2
-  # The target's logit is the largest (argmax == target but for exact ties):
-  # a max, not XLA:CPU's index-tracking argmax reduce (7% of the cpu step).
-  correct_BT = true_BT >= logits_BTV.max(-1)
-  return (loss_BT * mask_BT).sum(), (correct_BT * mask_BT).sum(), mask_BT.sum()
+  V = logits_BTV.shape[-1]
+  loss_M, correct_M, _ = _xent_terms(
+    logits_BTV.astype(jnp.float32).reshape(-1, V), targets_BT.reshape(-1), z_loss
+  )
+  m_M = mask_BT.reshape(-1)
+  return (loss_M * m_M).sum(), (correct_M * m_M).sum(), mask_BT.sum()
 
 
 # Positions per chunk of the LM loss: the (B, chunk, V) logits of one chunk
-# exist at a time, recomputed in the backward pass. Memory: at vocabulary 32k
-# and 64 x 1024 tokens the whole float32 logits would be 8.6 GB; speed: on
-# CPU the chunks stay in cache (the `cpu` shape's step ~8% faster than one
-# chunk, docs/performance.md).
+# exist at a time. Memory: at vocabulary 32k and 64 x 1024 tokens the whole
+# float32 logits would be 8.6 GB; speed: on CPU the chunks stay in cache.
 LM_LOSS_CHUNK = 64
 
 
@@ -94,25 +106,96 @@ def chunk_size(T: int) -> int:
   return max(c for c in range(1, min(T, LM_LOSS_CHUNK) + 1) if T % c == 0)
 
 
+def _chunked(a_BT):
+  """(B, T, ...) -> (C, B, T / C, ...): chunks of positions, every row in each
+  (a batch split over devices stays split)."""
+  B, T = a_BT.shape[:2]
+  C = T // chunk_size(T)
+  return jnp.swapaxes(a_BT.reshape(B, C, T // C, *a_BT.shape[2:]), 0, 1)
+
+
+def _unchunked(a_CBt):
+  a_BCt = jnp.swapaxes(a_CBt, 0, 1)
+  return a_BCt.reshape(a_BCt.shape[0], -1, *a_BCt.shape[3:])
+
+
 def lm_row_sums(logits_fn, h_BTD, targets_BT, mask_BT, z_loss: float = 0.0):
   """Per sequence (B,): summed loss, correct and target counts, the logits
-  `logits_fn(h)` made a chunk of positions at a time (recomputed in the
-  backward pass), so no (B, T, V) array ever exists."""
-  B, T, _ = h_BTD.shape
-  C = T // chunk_size(T)
+  `logits_fn(h)` made a chunk of positions at a time, so no (B, T, V) array
+  ever exists. For evaluation; training differentiates `lm_sums`."""
 
-  def chunks(a):
-    return jnp.swapaxes(a.reshape(B, C, T // C, *a.shape[2:]), 0, 1)
-
-  @jax.checkpoint
   def chunk(h_BtD, t_Bt, m_Bt):
     per_row = jax.vmap(lambda lg, t, m: lm_xent(lg[None], t[None], m[None], z_loss))
     return per_row(logits_fn(h_BtD), t_Bt, m_Bt)
 
   sums_C3B = jax.lax.map(
-    lambda a: chunk(*a), (chunks(h_BTD), chunks(targets_BT), chunks(mask_BT))
+    lambda a: chunk(*a), tuple(map(_chunked, (h_BTD, targets_BT, mask_BT)))
   )
   return jax.tree.map(lambda a: a.sum(0), sums_C3B)
+
+
+def _lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss: float, grads: bool):
+  """`lm_sums`, and with `grads` the gradient of its loss with respect to x
+  and w, made in the same pass over the chunks."""
+  D, V = w_DV.shape
+  w_DV = w_DV.astype(x_BTD.dtype)
+
+  def chunk(dw_DV, xs):
+    x_BtD, t_Bt, m_Bt = xs
+    x_MD, m_M = x_BtD.reshape(-1, D), m_Bt.reshape(-1)
+    logits_MV = (x_MD @ w_DV).astype(jnp.float32)
+    loss_M, correct_M, (exp_MV, sum_M, lse_M) = _xent_terms(
+      logits_MV, t_Bt.reshape(-1), z_loss
+    )
+    sums = ((loss_M * m_M).sum(), (correct_M * m_M).sum())
+    if not grads:
+      return dw_DV, sums
+    # d loss / d logits: the softmax (times the z-loss's 1 + 2 z lse) less
+    # the target's one-hot, at the real targets.
+    p_MV = exp_MV * ((1 + 2 * z_loss * lse_M) / sum_M)[:, None]
+    hot_MV = t_Bt.reshape(-1, 1) == jnp.arange(V)[None]
+    dlogits_MV = ((p_MV - hot_MV) * m_M[:, None]).astype(x_MD.dtype)
+    dw_DV = dw_DV + (x_MD.T @ dlogits_MV).astype(jnp.float32)
+    return dw_DV, (*sums, (dlogits_MV @ w_DV.T).reshape(x_BtD.shape))
+
+  dw_DV, out = jax.lax.scan(
+    chunk,
+    jnp.zeros((D, V), jnp.float32),
+    tuple(map(_chunked, (x_BTD, targets_BT, mask_BT))),
+  )
+  sums = (out[0].sum(), out[1].sum(), mask_BT.sum())
+  return (sums, (_unchunked(out[2]), dw_DV)) if grads else sums
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss: float = 0.0):
+  """(summed loss, summed correct, mask total) of the logits x @ w, float32.
+
+  A fused linear cross-entropy (as Liger's kernel and Apple's Cut
+  Cross-Entropy): the logits exist a chunk of positions at a time, and the
+  forward pass makes the loss's gradient with respect to x and w beside the
+  loss, so the backward pass only scales it, neither recomputing the logits
+  nor storing them. Only the summed loss is differentiable (the counts' are
+  zero). The `cpu` shape's loss, forward and backward: 180 -> 55 ms on CPU
+  (docs/performance.md)."""
+  return _lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss, grads=False)
+
+
+def _lm_sums_fwd(x_BTD, w_DV, targets_BT, mask_BT, z_loss):
+  return _lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss, grads=True)
+
+
+def _lm_sums_bwd(z_loss, grads, g):
+  dx_BTD, dw_DV = grads
+  return (
+    (g[0] * dx_BTD).astype(dx_BTD.dtype),
+    (g[0] * dw_DV).astype(dw_DV.dtype),
+    None,
+    None,
+  )
+
+
+lm_sums.defvjp(_lm_sums_fwd, _lm_sums_bwd)
 
 
 def lm_loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
@@ -127,11 +210,8 @@ def lm_loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
     segments_BT=batch["segments"],
     hidden=True,
   )
-  total, correct, n = (
-    a.sum()
-    for a in lm_row_sums(
-      model.logits, h_BTD, batch["targets"], batch["mask"], train_cfg.z_loss
-    )
+  total, correct, n = lm_sums(
+    *model.head(h_BTD), batch["targets"], batch["mask"], train_cfg.z_loss
   )
   n = jnp.maximum(n, 1.0)
   return total / n, correct / n

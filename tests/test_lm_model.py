@@ -120,6 +120,29 @@ def test_the_chunked_loss_equals_the_loss_of_the_whole_logits():
   np.testing.assert_allclose(got, (total / n, correct / n), rtol=1e-5)
 
 
+def test_the_fused_loss_gradient_equals_autodiff_of_the_whole_logits():
+  k = jax.random.split(jax.random.key(0), 3)
+  x, w = jax.random.normal(k[0], (2, 128, 16)), jax.random.normal(k[1], (16, 50))
+  t = jax.random.randint(k[2], (2, 128), 0, 50)
+  mask = jnp.asarray(np.random.default_rng(8).random((2, 128)) < 0.7, jnp.float32)
+
+  def fused(x, w):
+    total, correct, n = loss.lm_sums(x, w, t, mask, 1e-2)
+    return 3 * total / n, correct
+
+  def whole(x, w):
+    total, correct, n = loss.lm_xent(x @ w, t, mask, 1e-2)
+    return 3 * total / n, correct
+
+  (a, ca), ga = jax.value_and_grad(fused, (0, 1), has_aux=True)(x, w)
+  (b, cb), gb = jax.value_and_grad(whole, (0, 1), has_aux=True)(x, w)
+  np.testing.assert_allclose(a, b, rtol=1e-5)
+  assert ca == cb and ca > 0
+  for u, v in zip(ga, gb, strict=True):
+    np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6)
+  assert float(jnp.abs(ga[0][mask == 0]).max()) == 0.0  # padding gets none
+
+
 def test_sampling_from_a_random_initial_state_draws_one_per_call():
   m = model(init_state="random", injection="add")
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))

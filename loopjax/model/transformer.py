@@ -125,8 +125,17 @@ class LoopedTransformer(nnx.Module):
     The readout's last step, and the logit lens (applied to any layer's output);
     norm=False: states the final norm has already seen (`state_norm`)."""
     h_D = self.norm(h_D) if norm else h_D
-    w_DV = self.embed.T if self.unembed is None else self.unembed
-    return (h_D @ w_DV.astype(h_D.dtype)).astype(jnp.float32)
+    return (h_D @ self.unembedding.astype(h_D.dtype)).astype(jnp.float32)
+
+  @property
+  def unembedding(self):
+    """The (D, V) readout matrix: the embedding's transpose where tied."""
+    return self.embed.T if self.unembed is None else self.unembed
+
+  def head(self, h_BTD):
+    """The readout's two factors, (states (B, T, D), unembedding (D, V)), for
+    a loss that makes the logits itself a chunk at a time (`loss.lm_sums`)."""
+    return (self.norm(h_BTD) if self.readout_norm else h_BTD), self.unembedding
 
   def coda_in(self, h_BTD):
     """The state the coda starts from: the last iteration's, through the final
