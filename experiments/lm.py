@@ -75,7 +75,7 @@ def get_config(variant: str = "cpu"):
   )
   # --mode=analyze: fixed points, stages and attention to 4R iterations.
   c.analyze.update(names=LM_STREAMED, batch_size=8)
-  c.bench = dict(warmup=5, steps=10, repeats=3)  # python -m loopjax.bench step
+  c.bench = dict(warmup=5, steps=5, repeats=8)  # python -m loopjax.bench step
   c.train.update(
     schedule="cosine",
     weight_decay=0.1,

@@ -32,7 +32,8 @@ def test_jax_step_measures_compile_time_flops_and_memory():
   reason="the PyTorch reference needs the `bench` extra",
 )
 def test_torch_reference_runs_the_same_shapes():
-  assert steps.torch_step(small(2))["step_s"] > 0
+  out = steps.side_by_side(small(2), torch=True)
+  assert out["torch"]["step_s"] > 0 and len(out["torch"]["windows_s"]) == 1
 
 
 @pytest.mark.skipif(

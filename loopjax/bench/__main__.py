@@ -7,7 +7,8 @@
 
 `step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
 measured matmul peak, compile time, XLA's memory estimate), and with --torch the
-same model and optimizer in PyTorch eager, with the speed ratio. `scaling`:
+same model and optimizer in PyTorch eager (the two timed in alternating
+windows), with the speed ratio. `scaling`:
 compile and step time, and memory with and without remat, across depths R.
 `data`: generation time of a config's dataset (in memory). `depth`: a sampled
 depth (scan to R_max with masks: one program) against fixed R, which is also
@@ -45,10 +46,8 @@ def bench_step(config) -> dict:
   out = {
     "size": config.get("size"),
     "matmul_peak_flops": peak,
-    "jax": steps.jax_step(config),
+    **steps.side_by_side(config, torch=_TORCH.value),
   }
-  if _TORCH.value:
-    out["torch"] = steps.torch_step(config)
   B, T = config.train.batch_size, steps.seq_len(config)
   print(
     f"{'':8}{'step ms':>9}{'ex/s':>9}{'tok/s':>9}{'GFLOP/s':>9}{'MFU':>7}"

@@ -14,15 +14,28 @@ def timed(fn, *, warmup: int, steps: int, repeats: int) -> float:
   `fn()` must block until its work is done (e.g. `block_until_ready`) at least on
   its last call of a window, so that every window measures finished work.
   """
-  for _ in range(warmup):
-    fn()
-  windows = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    for _ in range(steps):
+  return timed_side_by_side({"fn": fn}, warmup=warmup, steps=steps, repeats=repeats)[
+    "fn"
+  ]["step_s"]
+
+
+def timed_side_by_side(fns: dict, *, warmup: int, steps: int, repeats: int) -> dict:
+  """`timed` for several functions, their windows taken in turn (a, b, a, b,
+  ...), so a shared machine's slow drifts in speed hit each alike: per name,
+  {"step_s": the median window, "windows_s": every window}."""
+  for fn in fns.values():
+    for _ in range(warmup):
       fn()
-    windows.append((time.perf_counter() - t) / steps)
-  return float(np.median(windows))
+  windows = {name: [] for name in fns}
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      t = time.perf_counter()
+      for _ in range(steps):
+        fn()
+      windows[name].append((time.perf_counter() - t) / steps)
+  return {
+    name: {"step_s": float(np.median(w)), "windows_s": w} for name, w in windows.items()
+  }
 
 
 def random_batch(config, vocab_size: int, seq_len: int) -> dict:

@@ -4,7 +4,12 @@ import time
 
 import jax
 
-from loopjax.bench.measure import device_memory, model_flops, random_batch, timed
+from loopjax.bench.measure import (
+  device_memory,
+  model_flops,
+  random_batch,
+  timed_side_by_side,
+)
 from loopjax.data.kg import Vocab
 from loopjax.state import build_model, init_state, make_optimizer
 from loopjax.train import make_train_step
@@ -24,6 +29,29 @@ def seq_len(config) -> int:
 
 def jax_step(config) -> dict:
   """Compile time, seconds per step, FLOPs (ours and XLA's) and memory of one step."""
+  return side_by_side(config, torch=False)["jax"]
+
+
+def side_by_side(config, torch: bool) -> dict:
+  """{"jax": `jax_step`'s results, "torch": the same model and optimizer's
+  step in PyTorch eager (with `torch`)}, the two timed in alternating windows."""
+  call, out = _jax_program(config)
+  calls = {"jax": call}
+  if torch:
+    calls["torch"] = _torch_program(config)
+  b = config.bench
+  times = timed_side_by_side(calls, warmup=b.warmup, steps=b.steps, repeats=b.repeats)
+  measured = [
+    m["peak_bytes_in_use"] for m in device_memory() if "peak_bytes_in_use" in m
+  ]
+  # The allocator's own peak where the backend reports one (GPU, TPU): what
+  # the step really used, beside XLA's estimate.
+  out |= {"device_peak_bytes": max(measured)} if measured else {}
+  return {"jax": out | times["jax"], **({"torch": times["torch"]} if torch else {})}
+
+
+def _jax_program(config):
+  """The compiled step as a blocking call, and what compiling it measured."""
   V, T = vocab_size(config), seq_len(config)
   model = build_model(config.model, V, T, config.seed)
   tx = make_optimizer(config.train)
@@ -42,14 +70,8 @@ def jax_step(config) -> dict:
     holder[0], metrics = compiled(holder[0], batch)
     metrics["train/loss"].block_until_ready()
 
-  b = config.bench
-  step_s = timed(call, warmup=b.warmup, steps=b.steps, repeats=b.repeats)
-  measured = [
-    m["peak_bytes_in_use"] for m in device_memory() if "peak_bytes_in_use" in m
-  ]
-  return {
+  return call, {
     "compile_s": compile_s,
-    "step_s": step_s,
     "flops": model_flops(config, T, V),
     "xla_flops": float(cost["flops"]),
     "temp_bytes": mem.temp_size_in_bytes,
@@ -57,22 +79,14 @@ def jax_step(config) -> dict:
     + mem.argument_size_in_bytes
     + mem.output_size_in_bytes
     - mem.alias_size_in_bytes,
-    # The allocator's own peak where the backend reports one (GPU, TPU): what
-    # the step really used, beside XLA's estimate above.
-    **({"device_peak_bytes": max(measured)} if measured else {}),
   }
 
 
-def torch_step(config) -> dict:
-  """Seconds per step of the same model and optimizer in PyTorch eager."""
+def _torch_program(config):
+  """A step of the same model and optimizer in PyTorch eager, as a call."""
   from loopjax.bench import torch_ref
 
   V, T = vocab_size(config), seq_len(config)
   step = torch_ref.make_train_step(config, V, T)
   batch = torch_ref.to_torch(random_batch(config, V, T))
-  b = config.bench
-  return {
-    "step_s": timed(
-      lambda: step(batch), warmup=b.warmup, steps=b.steps, repeats=b.repeats
-    )
-  }
+  return lambda: step(batch)
