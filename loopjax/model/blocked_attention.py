@@ -64,17 +64,23 @@ def _backward(res, dout_BKGTH):
   f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
   # Each query's sum over keys of p * dp: its output times the output's cotangent.
   delta_BKGT = (f32(dout_BKGTH) * f32(out)).sum(-1)
-  dqs, dk, dv = [], jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+  # dk and dv are accumulated transposed, (B, K, H, S): the products then
+  # contract the small (t, H) operands over t, and never transpose a (t, S) block.
+  dqs = []
+  dkT, dvT = (
+    jnp.zeros((*a.shape[:2], a.shape[3], a.shape[2]), jnp.float32) for a in (k, v)
+  )
   for s, e in _blocks(q.shape[3]):
     logits, seen = _logits(q, k, same_BTS, s, e)
     p = jnp.where(seen, jnp.exp(logits - lse_BKGT[..., s:e, None]), 0.0)
     do = f32(dout_BKGTH[:, :, :, s:e])
-    dv = dv.at[:, :, :e].add(jnp.einsum("bkgts,bkgth->bksh", p, do))
+    dvT = dvT.at[..., :e].add(jnp.einsum("bkgth,bkgts->bkhs", do, p))
     dp = jnp.einsum("bkgth,bksh->bkgts", do, f32(v[:, :, :e]))
     ds = p * (dp - delta_BKGT[..., s:e, None]) * H**-0.5
     dqs.append(jnp.einsum("bkgts,bksh->bkgth", ds, f32(k[:, :, :e])))
-    dk = dk.at[:, :, :e].add(jnp.einsum("bkgts,bkgth->bksh", ds, f32(q[:, :, :, s:e])))
+    dkT = dkT.at[..., :e].add(jnp.einsum("bkgth,bkgts->bkhs", f32(q[:, :, :, s:e]), ds))
   dq = jnp.concatenate(dqs, 3)
+  dk, dv = (jnp.swapaxes(a, 2, 3) for a in (dkT, dvT))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
