@@ -23,19 +23,16 @@ def _blocks(T: int):
   return [(s, min(s + BLOCK, T)) for s in range(0, T, BLOCK)]
 
 
-def _seen(same_BTS, s: int, e: int):
-  """Which keys :e the queries s:e may see, (B or 1, 1, 1, e - s, e)."""
-  seen_ts = jnp.arange(e)[None] <= (s + jnp.arange(e - s))[:, None]
-  if same_BTS is None:
-    return seen_ts[None, None, None]
-  return (seen_ts[None] & same_BTS[:, s:e, :e])[:, None, None]
-
-
 def _logits(q_BKGTH, k_BKSH, same_BTS, s: int, e: int):
-  """Scaled float32 scores of queries s:e against keys :e, (B, K, G, t, e)."""
+  """Scaled float32 scores of queries s:e against keys :e, (B, K, G, t, e),
+  -1e30 at the keys a query may not see: later ones, other segments'. An
+  added mask, not a select, so the weights exp(logits - lse) are one fusion."""
   H = q_BKGTH.shape[-1]
   scores = jnp.einsum("bkgth,bksh->bkgts", q_BKGTH[:, :, :, s:e], k_BKSH[:, :, :e])
-  return scores.astype(jnp.float32) * H**-0.5, _seen(same_BTS, s, e)
+  seen_ts = jnp.arange(e)[None] <= (s + jnp.arange(e - s))[:, None]
+  seen = seen_ts[None] if same_BTS is None else seen_ts[None] & same_BTS[:, s:e, :e]
+  mask = jnp.where(seen, 0.0, -1e30)[:, None, None]
+  return scores.astype(jnp.float32) * H**-0.5 + mask
 
 
 @jax.custom_vjp
@@ -46,8 +43,7 @@ def _attention(q_BKGTH, k_BKSH, v_BKSH, same_BTS):
 def _forward(q_BKGTH, k_BKSH, v_BKSH, same_BTS):
   outs, lses = [], []
   for s, e in _blocks(q_BKGTH.shape[3]):
-    logits, seen = _logits(q_BKGTH, k_BKSH, same_BTS, s, e)
-    logits = jnp.where(seen, logits, -1e30)
+    logits = _logits(q_BKGTH, k_BKSH, same_BTS, s, e)
     max_ = logits.max(-1, keepdims=True)
     p = jnp.exp(logits - max_)
     sum_ = p.sum(-1, keepdims=True)
@@ -71,8 +67,7 @@ def _backward(res, dout_BKGTH):
     jnp.zeros((*a.shape[:2], a.shape[3], a.shape[2]), jnp.float32) for a in (k, v)
   )
   for s, e in _blocks(q.shape[3]):
-    logits, seen = _logits(q, k, same_BTS, s, e)
-    p = jnp.where(seen, jnp.exp(logits - lse_BKGT[..., s:e, None]), 0.0)
+    p = jnp.exp(_logits(q, k, same_BTS, s, e) - lse_BKGT[..., s:e, None])
     do = f32(dout_BKGTH[:, :, :, s:e])
     dvT = dvT.at[..., :e].add(jnp.einsum("bkgth,bkgts->bkhs", do, p))
     dp = jnp.einsum("bkgth,bksh->bkgts", do, f32(v[:, :, :e]))
