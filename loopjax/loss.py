@@ -137,7 +137,7 @@ def lm_row_sums(logits_fn, h_BTD, targets_BT, mask_BT, z_loss: float = 0.0):
 def _lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss: float, grads: bool):
   """`lm_sums`, and with `grads` the gradient of its loss with respect to x
   and w, made in the same pass over the chunks."""
-  D, V = w_DV.shape
+  (D, V), w_dtype = w_DV.shape, w_DV.dtype
   w_DV = w_DV.astype(x_BTD.dtype)
 
   def chunk(dw_DV, xs):
@@ -164,7 +164,7 @@ def _lm_sums(x_BTD, w_DV, targets_BT, mask_BT, z_loss: float, grads: bool):
     tuple(map(_chunked, (x_BTD, targets_BT, mask_BT))),
   )
   sums = (out[0].sum(), out[1].sum(), mask_BT.sum())
-  return (sums, (_unchunked(out[2]), dw_DV)) if grads else sums
+  return (sums, (_unchunked(out[2]), dw_DV.astype(w_dtype))) if grads else sums
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
