@@ -106,10 +106,14 @@ def test_more_recurrences_at_sampling_are_more_iterations():
   assert not np.allclose(at3, at6, atol=1e-3)
 
 
-def test_the_chunked_loss_equals_the_loss_of_the_whole_logits():
+# Ouro's shape (state_norm, no coda): the readout reads the normed state as is.
+@pytest.mark.parametrize("shape", [dict(num_coda=1), dict(num_coda=0, state_norm=True)])
+def test_the_chunked_loss_equals_the_loss_of_the_whole_logits(shape):
   import ml_collections
 
-  m, x = model(num_coda=1), tokens(5, (2, 128))  # 128 = 2 chunks of LM_LOSS_CHUNK
+  m, x = model(**shape), tokens(5, (2, 128))  # 128 = 2 chunks of LM_LOSS_CHUNK
+  # A final norm whose scale is not 1, so normalizing twice would show.
+  m.norm.scale[...] = jnp.linspace(0.5, 2.0, m.norm.scale.shape[0])
   assert 128 // loss.LM_LOSS_CHUNK == 2
   t = tokens(6, (2, 128))
   mask = jnp.asarray(np.random.default_rng(7).random((2, 128)) < 0.8, jnp.float32)
