@@ -34,6 +34,16 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.3f} GiB"
 
 
+def _lm_batch(B: int, T: int, put) -> dict:
+  """A language-model batch's shapes (B sequences of T tokens), placed by `put`."""
+  import jax
+  import numpy as np
+
+  tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)
+  mask = jax.ShapeDtypeStruct((B, T), np.float32, sharding=put)
+  return {"inputs": tokens, "targets": tokens, "mask": mask, "segments": tokens}
+
+
 def check_pretrained(config, num_devices: int) -> dict:
   """A pretrained model's (`model.hf_dir`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
@@ -54,14 +64,10 @@ def check_pretrained(config, num_devices: int) -> dict:
     m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
   B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
-  tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)
-  batch = {
-    "inputs": tokens,
-    "targets": tokens,
-    "mask": jax.ShapeDtypeStruct((B, T), np.float32, sharding=put),
-    "segments": tokens,
-    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put),
+  batch = _lm_batch(B, T, put) | {
+    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put)
   }
+  tokens = batch["inputs"]
 
   def analysis(model, batch):
     with sharding.active(mesh, rules):
@@ -96,10 +102,10 @@ def check(config, num_devices: int) -> dict:
   import numpy as np
 
   from loopjax import sharding, state, train
-  from loopjax.data import kg
+  from loopjax.data import kg, lm
 
-  task = kg.without_examples(config.data)
-  max_len = task.max_hops + 1
+  lm_task = config.data.task == "lm"
+  task = (lm.without_tokens if lm_task else kg.without_examples)(config.data)
   config.mesh.devices = num_devices  # the target's, whatever the variant says
   mesh = sharding.run_mesh(config).mesh
   graphdef, abstract, tx, shardings = state.sharded_train_state(
@@ -107,11 +113,14 @@ def check(config, num_devices: int) -> dict:
   )
   step = train.make_train_step(config, graphdef, tx, mesh, shardings)
   B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
-  batch = {
-    "inputs": jax.ShapeDtypeStruct((B, max_len), np.int32, sharding=put),
-    "target": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
-    "answer_pos": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
-  }
+  if lm_task:
+    batch = _lm_batch(B, task.seq_len, put)
+  else:
+    batch = {
+      "inputs": jax.ShapeDtypeStruct((B, task.max_hops + 1), np.int32, sharding=put),
+      "target": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
+      "answer_pos": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
+    }
   compiled = step.lower(abstract, batch).compile()
   mem = compiled.memory_analysis()
   params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]

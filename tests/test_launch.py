@@ -119,14 +119,8 @@ def test_sweep_on_tpu_installs_once(tmp_path, capsys):
   assert out.count("tar xf") == 1 and out.count("loopjax.main") == 3
 
 
-def _aot(*flags):
-  cmd = [
-    sys.executable,
-    "-m",
-    "loopjax.aot",
-    "--config=experiments/sysgen.py:tiny",
-    *flags,
-  ]
+def _aot(*flags, config="experiments/sysgen.py:tiny"):
+  cmd = [sys.executable, "-m", "loopjax.aot", f"--config={config}", *flags]
   return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
 
 
@@ -137,6 +131,14 @@ def test_aot_compiles_for_a_target_mesh_and_reports_memory():
   for k in ("arguments", "temporaries", "outputs"):
     assert re.search(rf"{k} +\d+\.\d+ GiB", out.stdout), out.stdout
   assert "['core'][0]['mlp']['w1']" in out.stdout and "('fsdp', 'tensor')" in out.stdout
+
+
+def test_aot_compiles_a_language_model_step():
+  out = _aot("--devices=8", "--config.mesh.fsdp=2", config="experiments/lm.py:tiny")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "mesh data 4 x fsdp 2 x tensor 1 (8 CPU devices)" in out.stdout
+  assert re.search(r"temporaries +\d+\.\d+ GiB", out.stdout), out.stdout
+  assert "['embed']" in out.stdout
 
 
 def test_aot_names_a_mesh_that_does_not_fit():

@@ -63,6 +63,23 @@ class LmData:
     }
 
 
+def without_tokens(data_cfg) -> LmData:
+  """A config's language-model task with its vocabulary and sequence length
+  but no corpus: what building a model needs (ahead-of-time compiles, from
+  the config alone)."""
+  empty = {"tokens": np.zeros(0, np.int32), "segments": np.zeros(0, np.int32)}
+  return LmData(
+    tokenizer_json="",
+    vocab_size=data_cfg.vocab_size,
+    pad_id=0,
+    bos_id=0,
+    eos_id=0,
+    seq_len=data_cfg.seq_len,
+    streams={"train": empty},
+    fingerprint="",
+  )
+
+
 def windows(stream: dict, idx_B: np.ndarray, seq_len: int) -> dict:
   """The batch of windows `idx_B`: inputs, targets, their loss mask, segments."""
   return windows_at(stream, idx_B * seq_len, seq_len)
