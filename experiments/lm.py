@@ -26,6 +26,7 @@ evaluated to 32 iterations, 4x the largest R (docs/results/lm_study.md):
   python -m loopjax.bench step --config=experiments/lm.py --torch
   python -m loopjax.main --config=experiments/lm.py:gpu --workdir=/shared/runs/lm_gpu \\
       --config.data.source=tfds:lm1b
+  python -m loopjax.aot --config=experiments/lm.py:gpu --devices=8 --config.mesh.fsdp=4
 
 Retrofitted recurrence (McLeish et al. 2025, LoopedLMs/retrofitting-recurrence):
 `model.init_from=hf:DIR` starts from a pretrained Llama or OLMo 2, its layers
