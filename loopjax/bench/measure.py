@@ -14,9 +14,8 @@ def timed(fn, *, warmup: int, steps: int, repeats: int) -> float:
   `fn()` must block until its work is done (e.g. `block_until_ready`) at least on
   its last call of a window, so that every window measures finished work.
   """
-  return timed_side_by_side({"fn": fn}, warmup=warmup, steps=steps, repeats=repeats)[
-    "fn"
-  ]["step_s"]
+  times = timed_side_by_side({"fn": fn}, warmup=warmup, steps=steps, repeats=repeats)
+  return times["fn"]["step_s"]
 
 
 def timed_side_by_side(fns: dict, *, warmup: int, steps: int, repeats: int) -> dict:
