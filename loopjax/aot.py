@@ -105,7 +105,7 @@ def check(config, num_devices: int) -> dict:
   from loopjax.data import kg, lm
 
   lm_task = config.data.task == "lm"
-  task = (lm.without_tokens if lm_task else kg.without_examples)(config.data)
+  task = (lm.without_streams if lm_task else kg.without_examples)(config.data)
   config.mesh.devices = num_devices  # the target's, whatever the variant says
   mesh = sharding.run_mesh(config).mesh
   graphdef, abstract, tx, shardings = state.sharded_train_state(

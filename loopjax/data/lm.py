@@ -63,23 +63,6 @@ class LmData:
     }
 
 
-def without_tokens(data_cfg) -> LmData:
-  """A config's language-model task with its vocabulary and sequence length
-  but no corpus: what building a model needs (ahead-of-time compiles, from
-  the config alone)."""
-  empty = {"tokens": np.zeros(0, np.int32), "segments": np.zeros(0, np.int32)}
-  return LmData(
-    tokenizer_json="",
-    vocab_size=data_cfg.vocab_size,
-    pad_id=0,
-    bos_id=0,
-    eos_id=0,
-    seq_len=data_cfg.seq_len,
-    streams={"train": empty},
-    fingerprint="",
-  )
-
-
 def windows(stream: dict, idx_B: np.ndarray, seq_len: int) -> dict:
   """The batch of windows `idx_B`: inputs, targets, their loss mask, segments."""
   return windows_at(stream, idx_B * seq_len, seq_len)
@@ -345,13 +328,20 @@ def _rows(data_cfg, tokenizer_json: str) -> int:
   return tokenizer_from_json(tokenizer_json).get_vocab_size()
 
 
-def without_streams(data_cfg, tokenizer_json: str) -> LmData:
+def without_streams(data_cfg, tokenizer_json: str | None = None) -> LmData:
   """The task's shape (vocabulary, specials, sequence length) without its
-  corpus: what building a model to restore or sample needs."""
-  pad, bos, eos = special_ids(tokenizer_json, "tokenizer.json")
+  corpus: what building a model to restore or sample needs. Without a
+  tokenizer (ahead-of-time compiles, from the config alone): data.vocab_size
+  rows, no specials."""
+  if tokenizer_json is None:
+    pad = bos = eos = 0
+    rows = int(data_cfg.vocab_size)
+  else:
+    pad, bos, eos = special_ids(tokenizer_json, "tokenizer.json")
+    rows = _rows(data_cfg, tokenizer_json)
   return LmData(
-    tokenizer_json=tokenizer_json,
-    vocab_size=_rows(data_cfg, tokenizer_json),
+    tokenizer_json=tokenizer_json or "",
+    vocab_size=rows,
     pad_id=pad,
     bos_id=bos,
     eos_id=eos,
