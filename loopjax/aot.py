@@ -34,14 +34,14 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.3f} GiB"
 
 
-def _lm_batch(B: int, T: int, put) -> dict:
-  """A language-model batch's shapes (B sequences of T tokens), placed by `put`."""
+def _batch(family, config, task, B: int, put) -> dict:
+  """The family's batch of B rows as abstract arrays placed by `put`."""
   import jax
-  import numpy as np
 
-  tokens = jax.ShapeDtypeStruct((B, T), np.int32, sharding=put)
-  mask = jax.ShapeDtypeStruct((B, T), np.float32, sharding=put)
-  return {"inputs": tokens, "targets": tokens, "mask": mask, "segments": tokens}
+  return {
+    k: jax.ShapeDtypeStruct(shape, dtype, sharding=put)
+    for k, (shape, dtype) in family.batch_shapes(config, task, B).items()
+  }
 
 
 def check_pretrained(config, num_devices: int) -> dict:
@@ -54,6 +54,7 @@ def check_pretrained(config, num_devices: int) -> dict:
   import numpy as np
 
   from loopjax import sharding
+  from loopjax import task as task_lib
   from loopjax.analysis import depth_scan
   from loopjax.pretrained import load
 
@@ -64,7 +65,8 @@ def check_pretrained(config, num_devices: int) -> dict:
     m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
   B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
-  batch = _lm_batch(B, T, put) | {
+  family = task_lib.for_config(config)
+  batch = _batch(family, config, family.without_examples(config), B, put) | {
     "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put)
   }
   tokens = batch["inputs"]
@@ -102,10 +104,10 @@ def check(config, num_devices: int) -> dict:
   import numpy as np
 
   from loopjax import sharding, state, train
-  from loopjax.data import kg, lm
+  from loopjax import task as task_lib
 
-  lm_task = config.data.task == "lm"
-  task = (lm.without_streams if lm_task else kg.without_examples)(config.data)
+  family = task_lib.for_config(config)
+  task = family.without_examples(config)
   config.mesh.devices = num_devices  # the target's, whatever the variant says
   mesh = sharding.run_mesh(config).mesh
   graphdef, abstract, tx, shardings = state.sharded_train_state(
@@ -113,14 +115,7 @@ def check(config, num_devices: int) -> dict:
   )
   step = train.make_train_step(config, graphdef, tx, mesh, shardings)
   B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
-  if lm_task:
-    batch = _lm_batch(B, task.seq_len, put)
-  else:
-    batch = {
-      "inputs": jax.ShapeDtypeStruct((B, task.max_hops + 1), np.int32, sharding=put),
-      "target": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
-      "answer_pos": jax.ShapeDtypeStruct((B,), np.int32, sharding=put),
-    }
+  batch = _batch(family, config, task, B, put)
   compiled = step.lower(abstract, batch).compile()
   mem = compiled.memory_analysis()
   params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]

@@ -12,12 +12,18 @@ import math
 
 import ml_collections
 
-from loopjax import halting, task_checks
-from loopjax.analysis import ANALYSES, LM_ANALYSES, LM_STREAMED, MECHANISTIC
+from loopjax import task_checks
+from loopjax.analysis import (
+  HALTING_CRITERIA,
+  HALTING_LTG,
+  HALTING_START,
+  LM_STREAMED,
+  MECHANISTIC,
+)
 from loopjax.errors import ConfigError
 
 ENUMS = {
-  "data.task": ("composition", "chains", "lm"),
+  "data.task": tuple(task_checks.RULES),
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
   "model.norm_position": ("pre", "sandwich", "residual", "post", "res_post"),
@@ -31,13 +37,10 @@ ENUMS = {
   "train.supervise": ("last", "from_hops", "atomic_every"),
   "train.decay": ("matrices", "all"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
-  "analyze.halting.start": halting.START,
+  "analyze.halting.start": HALTING_START,
 }
 # Tuple fields whose every name must be one the owning module knows.
-NAME_LISTS = {
-  "analyze.names": tuple(dict.fromkeys(ANALYSES + LM_ANALYSES)),
-  "analyze.halting.criteria": tuple(halting.CRITERIA),
-}
+NAME_LISTS = {"analyze.halting.criteria": HALTING_CRITERIA}
 
 
 def base() -> ml_collections.ConfigDict:
@@ -190,7 +193,7 @@ def base() -> ml_collections.ConfigDict:
   # A language model (LM_ANALYSES): the first lm_windows validation windows;
   # sink_threshold, the attention mass on the first token that makes a sink.
   c.analyze = dict(
-    names=ANALYSES,
+    names=(),  # (): the task family's (task_checks.RULES)
     max_depth=64,
     batch_size=256,
     tol=1e-3,
@@ -203,7 +206,7 @@ def base() -> ml_collections.ConfigDict:
     # OLMo 2 directory whose stages are analyzed on the same prompts.
     baseline_dir="",
     halting=dict(
-      criteria=halting.LTG,
+      criteria=HALTING_LTG,
       r_min=2,  # LTG: iteration t against t - 1 from the second iteration on
       r_max=16,
       eps=(1e-4, 1e-3, 1e-2, 1e-1, 0.5),
@@ -213,13 +216,18 @@ def base() -> ml_collections.ConfigDict:
       tau_grid=(0.1, 0.3, 1.0, 3.0),  # entropy-only thresholds
       patience=(1, 2, 4),
       gate=(0.5, 0.7, 0.9),  # an exit gate's cumulative-probability thresholds
-      start="readout",  # what iteration 1 is compared with (halting.START)
+      start="readout",  # what iteration 1 is compared with (HALTING_START)
     ),
   )
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
   c.eval_every = 250  # 0: no in-loop evaluation (an evaluation job follows the run)
   c.log_every = 50
   return c
+
+
+def analyses(c) -> tuple[str, ...]:
+  """`analyze.names`, or the task family's analyses where it is empty."""
+  return tuple(c.analyze.names) or task_checks.RULES[c.data.task].default_analyses
 
 
 def llama3_ok(v) -> bool:
@@ -359,25 +367,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
       "analyze.baseline_dir: a pretrained model's baseline; needs model.hf_dir"
     )
+  rules = task_checks.RULES[d.task]
   if m.hf_dir or d.source.startswith("prompts:"):
     task_checks.pretrained(c)
-  elif d.task == "lm":
-    task_checks.lm(c)
-  elif not (d.source == "generate" or d.source.startswith("grokked_json:")):
+  else:
+    rules.check(c)
+  allowed = rules.analyses
+  if wrong := [n for n in a.names if n not in allowed]:
     raise ConfigError(
-      f"data.source: must be 'generate' or 'grokked_json:DIR'; got {d.source!r}"
-    )
-  if d.task == "chains":
-    task_checks.chains(c)
-  elif t.curriculum.enabled:
-    raise ConfigError(
-      "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
-      f"got task {d.task!r}"
-    )
-  if d.task == "composition" and d.out_degree > d.num_relations:
-    raise ConfigError(
-      f"data.out_degree: must be <= data.num_relations "
-      f"({d.num_relations}); got {d.out_degree}"
+      f"analyze.names: each must be one of {', '.join(allowed)} (data.task "
+      f"{d.task!r}); got {wrong[0]!r}"
     )
   _validate_model(m)
   if t.depth.dist != "fixed":
@@ -392,7 +391,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "train.backprop_depth: needs model.injection add or concat (else the "
       "embeddings get no gradient through the core); got injection 'none'"
     )
-  if a.max_depth < 2 and any(n in MECHANISTIC + LM_STREAMED for n in a.names):
+  if a.max_depth < 2 and any(n in MECHANISTIC + LM_STREAMED for n in analyses(c)):
     raise ConfigError(
       f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)}, stages (they "
       f"compare successive iterations); got {a.max_depth}"

@@ -20,9 +20,9 @@ metrics.jsonl, newer than the follower), once what it saved is evaluated
 import json
 import time
 
-from loopjax import analyze, data, evaluate, metrics
 from loopjax import config as config_lib
-from loopjax.analysis import grokking
+from loopjax import data, evaluate, metrics, restore
+from loopjax import task as task_lib
 from loopjax.errors import first_line
 from loopjax.workdir import Workdir, write_atomic
 
@@ -43,12 +43,10 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   has finished."""
   wd, given, started = Workdir(workdir), config is not None, time.time()
   config = _wait_for_config(wd, config, poll_s)
-  if analyses:
-    analyze.check_names(config)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
   with wd.exclusive("follow"):
     task = data.load(config.data)
-    reader = evaluate.Reader(config, wd.path, task)
+    reader = restore.Reader(config, wd.path, task)
     job = _Job(wd, config, task, reader, analyses)
     if job.done:
       print(
@@ -85,8 +83,8 @@ class _Job:
 
   def __init__(self, wd: Workdir, config, task, reader, analyses: bool):
     self.wd, self.config, self.task, self.reader = wd, config, task, reader
-    self.analyses = analyses
-    self.evaluator = evaluate.make_evaluator(
+    self.analyses, self.family = analyses, task_lib.for_config(config)
+    self.evaluator = self.family.evaluator(
       config, task, reader.graphdef, config.eval.depths
     )
     log = wd.path / "eval" / "metrics.jsonl"
@@ -106,7 +104,9 @@ class _Job:
       evaluate.write_results(self.wd.path, report)
       if self.analyses:
         out = self.wd.path / "analysis" / f"step_{step}"
-        analyze.run(self.config, self.wd.path, self.task, model, step, out, False)
+        self.family.analyze(
+          self.config, self.wd.path, self.task, model, step, out, False
+        )
     except Exception as e:  # noqa: BLE001 - a checkpoint gone or unreadable
       if not (self.wd.checkpoint_dir / str(step)).exists():
         print(f"follow: checkpoint {step} was deleted before it was evaluated; skipped")
@@ -122,8 +122,7 @@ class _Job:
     self.writer.write(step, flat)  # last: the record says the step is done
     self.records.append({"step": step, **flat})
     self.done.add(step)
-    if self.config.data.task == "composition":
-      phases = grokking.detect(self.records, self.config.phases)
+    if (phases := self.family.follow_phases(self.config, self.records)) is not None:
       write_atomic(self.wd.path / "eval" / "phases.json", json.dumps(phases, indent=2))
     print(f"follow: evaluated step {step}")
 

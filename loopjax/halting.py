@@ -55,8 +55,6 @@ import jax.numpy as jnp
 
 from loopjax.errors import ConfigError
 
-START = ("readout", "uniform")
-
 
 def adaptive(
   model,
@@ -228,8 +226,8 @@ def _cosine_gap(s: Step):
   return _token_mean(s, 1 - cos)
 
 
-# name -> whether each unit's answer has settled (U,); `--mode=analyze` and
-# config validation take their names from here.
+# name -> whether each unit's answer has settled (U,); one for each of
+# `analysis.HALTING_CRITERIA`, the names config validation knows.
 CRITERIA = {
   "kl_entropy": lambda s, l: (
     (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau)
@@ -248,6 +246,3 @@ CRITERIA = {
   "gate": lambda s, l: s.exit_cdf >= l.threshold,
   "fixed": lambda s, l: jnp.zeros(s.streak.shape, bool),
 }
-# The criteria LTG's knowledge-graph tasks compare (`analyze.halting.criteria`).
-LTG = ("kl_entropy", "kl_entropy_len", "kl", "kl_reverse", "entropy", "latent",
-       "argmax", "fixed")  # fmt: skip

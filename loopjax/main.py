@@ -101,7 +101,7 @@ def _load_config(wd: Workdir):
 
 
 def _sampling() -> dict:
-  """--mode=sample's flags, as `sample.generate`'s arguments."""
+  """--mode=sample's flags, as `lm.sample.generate`'s arguments."""
   return dict(
     num_loops=FLAGS.num_loops,
     max_new_tokens=FLAGS.max_new_tokens,
@@ -109,22 +109,6 @@ def _sampling() -> dict:
     top_k=FLAGS.top_k,
     seed=FLAGS.sample_seed,
   )
-
-
-def _pretrained(config, workdir: Path) -> None:
-  """--mode=analyze or sample on model.hf_dir (loopjax.pretrained.run)."""
-  from loopjax.pretrained import run
-
-  if FLAGS.mode == "analyze":
-    paths = run.analyze(config, workdir)
-    print("wrote " + ", ".join(map(str, paths)))
-  elif FLAGS.mode == "sample":
-    print(run.sample(config, FLAGS.prompt, **_sampling()))
-  else:
-    raise ConfigError(
-      f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
-      "--mode=analyze or --mode=sample"
-    )
 
 
 def main(argv):
@@ -160,7 +144,8 @@ def main(argv):
     exit_with(str(e))
   import jax
 
-  from loopjax import analyze, evaluate, follow, sample, sharding, train
+  from loopjax import analyze, evaluate, follow, sharding, train
+  from loopjax import task as task_lib
   from loopjax.pretrained import init_from
 
   try:
@@ -181,9 +166,12 @@ def main(argv):
     # model.init_from: DIR's shapes, as training records them (it resolves its own)
     if config is not None and FLAGS.mode != "train":
       config = init_from.resolve(config)
-    if config is not None and config.model.hf_dir:
-      _pretrained(config, workdir)
-    elif FLAGS.mode == "train":
+    if config is not None and config.model.hf_dir and FLAGS.mode in ("train", "eval"):
+      raise ConfigError(
+        f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
+        "--mode=analyze or --mode=sample"
+      )
+    if FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)
       print(
         f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "
@@ -195,10 +183,17 @@ def main(argv):
       Workdir(workdir).check(config)
       evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
     elif FLAGS.mode == "sample":
-      Workdir(workdir).check(config)
+      if not config.model.hf_dir:  # a pretrained model records no run
+        Workdir(workdir).check(config)
+      family = task_lib.for_config(config)
       print(
-        sample.sample(config, workdir, FLAGS.prompt, step=FLAGS.step, **_sampling())
+        family.sample(config, workdir, FLAGS.prompt, step=FLAGS.step, **_sampling())
       )
+    elif config.model.hf_dir:
+      from loopjax.lm import pretrained  # its analyses: matplotlib
+
+      paths = pretrained.analyze(config, workdir)
+      print("wrote " + ", ".join(map(str, paths)))
     else:
       Workdir(workdir).check(config)
       paths = analyze.analyze(config, workdir, FLAGS.step)

@@ -6,8 +6,8 @@ transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
 `DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
 tabulates, per run, steps and wall time to each phase and the final accuracies;
 a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
-`DIR/plots/ablations.png` (analysis/ablations.py), and a sweep of language
-models `DIR/lm_study.md` and `DIR/plots/lm_study.png` (analysis/lm_study.py).
+`DIR/plots/ablations.png` (kg/ablations.py), and a sweep of language
+models `DIR/lm_study.md` and `DIR/plots/lm_study.png` (lm/study.py).
 k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
 where the hop curriculum advanced. Language-model runs get `plots/lm.png`:
 training and validation loss against step beside the unigram baseline, and
@@ -18,15 +18,12 @@ import json
 import statistics
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
-from loopjax.analysis import ablations, grokking, lm_study  # noqa: E402
-from loopjax.data.kg import hop_count  # noqa: E402
-from loopjax.metrics import read_jsonl, wall_times  # noqa: E402
-from loopjax.workdir import Workdir  # noqa: E402
+from loopjax.analysis.plots import plt, save
+from loopjax.data.kg import hop_count
+from loopjax.kg import ablations, grokking
+from loopjax.lm import study as lm_study
+from loopjax.metrics import read_jsonl, wall_times
+from loopjax.workdir import Workdir
 
 SPLITS = (
   "train_inferred",
@@ -82,7 +79,7 @@ def plot_lm(workdir: Path) -> Path:
     a.grid(alpha=0.3)
     if a.get_legend_handles_labels()[0]:
       a.legend(fontsize=8)
-  return _save(fig, workdir / "plots" / "lm.png")
+  return save(fig, workdir / "plots" / "lm.png")
 
 
 def splits(records: list[dict]) -> list[str]:
@@ -131,7 +128,7 @@ def plot_run(workdir: Path) -> Path:
     ax.axvline(step, color="gray", ls=":", lw=1)
     ax.text(step, 1.02, phase, rotation=90, va="bottom", ha="center", fontsize=7)
   _style(ax, workdir.name)
-  return _save(fig, workdir / "plots" / "accuracy.png")
+  return save(fig, workdir / "plots" / "accuracy.png")
 
 
 def plot_sweep(root: Path, runs: list[Path]) -> Path:
@@ -148,7 +145,7 @@ def plot_sweep(root: Path, runs: list[Path]) -> Path:
       steps, acc = curves(run).get(split, ([], []))
       ax.plot(steps, acc, label=run.name)
     _style(ax, split)
-  return _save(fig, root / "plots" / "sweep.png")
+  return save(fig, root / "plots" / "sweep.png")
 
 
 FINAL = (
@@ -240,11 +237,3 @@ def _style(ax, title: str) -> None:
   ax.grid(alpha=0.3)
   if ax.get_legend_handles_labels()[0]:  # a run without evals has no lines
     ax.legend(fontsize=8)
-
-
-def _save(fig, path: Path) -> Path:
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path

@@ -1,18 +1,49 @@
 """Config checks of the fields one task family reads (called by config.validate).
 
-Kept apart from the tasks' modules so that validating a config imports no
-data libraries: a bad value fails in a fraction of a second.
+Kept apart from the families' packages so that validating a config imports no
+JAX and no data library: a bad value fails in a fraction of a second. `RULES`
+holds each family's checker and analyses, by the family's `data.task` name.
 """
 
 from pathlib import Path
+from typing import NamedTuple
 
+from loopjax.analysis import ANALYSES, LM_ANALYSES, LM_STREAMED
 from loopjax.errors import ConfigError
 
 MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
 
 
+def _kg_source(c) -> None:
+  if not (c.data.source == "generate" or c.data.source.startswith("grokked_json:")):
+    raise ConfigError(
+      f"data.source: must be 'generate' or 'grokked_json:DIR'; got {c.data.source!r}"
+    )
+
+
+def _no_curriculum(c) -> None:
+  if c.train.curriculum.enabled:
+    raise ConfigError(
+      "train.curriculum.enabled: needs data.task 'chains' (a hop curriculum); "
+      f"got task {c.data.task!r}"
+    )
+
+
+def composition(c) -> None:
+  """The fields a 2-hop composition run reads (config.validate)."""
+  _kg_source(c)
+  _no_curriculum(c)
+  d = c.data
+  if d.out_degree > d.num_relations:
+    raise ConfigError(
+      f"data.out_degree: must be <= data.num_relations "
+      f"({d.num_relations}); got {d.out_degree}"
+    )
+
+
 def chains(c) -> None:
   """The fields a k-hop chains run reads (config.validate)."""
+  _kg_source(c)
   d, cur = c.data, c.train.curriculum
   if d.max_hops < 2:
     raise ConfigError(f"data.max_hops: must be >= 2; got {d.max_hops}")
@@ -84,6 +115,7 @@ def lm(c) -> None:
     )
   if not (0 <= c.train.z_loss < 1):
     raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
+  _no_curriculum(c)
 
 
 def pretrained(c) -> None:
@@ -101,6 +133,7 @@ def pretrained(c) -> None:
     )
   if d.seq_len < 2:
     raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")
+  _no_curriculum(c)
 
 
 def hf_path(init_from: str) -> Path:
@@ -137,3 +170,20 @@ def init_from(c) -> None:
       f"data.tokenizer: must be '' or {path / 'tokenizer.json'} with "
       f"model.init_from (the model's own, set from it); got {d.tokenizer!r}"
     )
+
+
+class Rules(NamedTuple):
+  """A task family's config rules: its checker, the analyses it knows, and
+  those `--mode=analyze` runs when `analyze.names` is empty."""
+
+  check: object
+  analyses: tuple[str, ...]
+  default_analyses: tuple[str, ...]
+
+
+# data.task -> its family's rules (loopjax/task.py holds the families).
+RULES = {
+  "composition": Rules(composition, ANALYSES, ANALYSES),
+  "chains": Rules(chains, ANALYSES, ANALYSES),
+  "lm": Rules(lm, LM_ANALYSES, LM_STREAMED),
+}

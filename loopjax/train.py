@@ -17,17 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.experimental import multihost_utils
 
-from loopjax import (
-  checkpoint,
-  curriculum,
-  evaluate,
-  loss,
-  metrics,
-  recurrence,
-  sharding,
-)
+from loopjax import checkpoint, metrics, recurrence, sharding
 from loopjax import data as data_lib
-from loopjax.analysis import grokking
+from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
 from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state
@@ -40,7 +32,7 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
   the recurrent state constrained in every iteration."""
   m, t = config.model, config.train
   rules, dd = tuple(config.sharding.rules), t.depth
-  loss_fn = loss.lm_loss_fn if config.data.task == "lm" else loss.loss_fn
+  loss_fn = task_lib.for_config(config).loss_fn
 
   def train_step(state, batch):
     with sharding.active(mesh, rules):
@@ -123,33 +115,20 @@ class _Preemption:
     return self.signal is not None
 
 
-def phase_names(config) -> tuple[str, ...]:
-  """What a run records in phases.json: grokking phases or curriculum stages."""
-  if config.data.task == "composition":
-    return tuple(grokking.PHASES)
-  return curriculum.stage_names(config)  # none for a language model
-
-
-def train_iterator(config, task, rows):
-  if config.data.task == "lm":
-    return data_lib.lm.train_iterator(task, config.train.batch_size, config.seed, rows)
-  return curriculum.train_iterator(config, task, rows)
-
-
 def train_and_evaluate(config, workdir) -> dict:
   """Trains (resuming from the workdir's newest checkpoint); returns last metrics."""
   config = init_from.resolve(config)  # a pretrained model's shapes, recorded as such
+  family = task_lib.for_config(config)
   wd = Workdir(workdir)
   wd.check(config)
-  task = data_lib.load(config.data)  # bad data settings fail before the workdir exists
-  curriculum.check_task(config, task)
+  task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = data_lib.summary(task)  # fingerprints every array: once
-  wd.check_data(dataset)
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
+  wd.check_data(dataset)
   wd.check_writable()
   with wd.exclusive("train"):
-    wd.record(config, task, phase_names(config), dataset)
-    return _train(config, wd, task, placement)
+    wd.record(config, task, family.phase_names(config), dataset)
+    return _train(config, family, wd, task, placement)
 
 
 def _initial_state(config, task, mesh, from_pretrained: bool):
@@ -162,7 +141,7 @@ def _initial_state(config, task, mesh, from_pretrained: bool):
   return out
 
 
-def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
+def _train(config, family, wd: Workdir, task, placement: sharding.Placement) -> dict:
   mesh, rules, rows = placement
   mngr = wd.checkpoints(config.checkpoint)
   # A pretrained model's params start a fresh run; a resumed one restores its
@@ -171,10 +150,10 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   graphdef, state, tx, shardings = _initial_state(config, task, mesh, fresh)
   train_step = make_train_step(config, graphdef, tx, mesh, shardings)
   batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
-  evaluator = evaluate.make_evaluator(
-    config, task, graphdef, mesh=mesh, param_shardings=shardings["params"]
+  evaluator = family.evaluator(
+    config, task, graphdef, mesh=mesh, shardings=shardings["params"]
   )
-  train_iter = train_iterator(config, task, rows)
+  train_iter = family.train_iterator(config, task, rows)
   restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
   if restored is not None:
     state = restored
@@ -194,6 +173,7 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
   writer = metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb")
   loop = _Loop(
     config=config,
+    family=family,
     wd=wd,
     train_step=lambda s, b: train_step(s, sharding.global_batch(b, batch_sharding, B)),
     tx=tx,
@@ -230,10 +210,8 @@ def _train(config, wd: Workdir, task, placement: sharding.Placement) -> dict:
         else "No checkpoint was saved."
       )
     ) from failure
-  if config.data.task == "composition":
-    print(f"phases: {grokking.summary(wd.phases)}")
-  elif config.data.task == "chains":
-    print(f"curriculum: {curriculum.stages_summary(wd.phases, config)}")
+  if (line := family.finished(config, wd.phases)) is not None:
+    print(line)
   if preempt.signal is not None:
     print(
       f"{preempt.signal}: saved step {step} to {wd.checkpoint_dir}; "
@@ -247,11 +225,12 @@ class _Loop:
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
 
   config: object
+  family: task_lib.Family
   wd: Workdir
   train_step: object  # (state, this process's batch) -> (state, metrics)
   tx: object  # the optimizer, for a fresh state per curriculum stage
   train_iter: object
-  evaluator: evaluate.Evaluator
+  evaluator: object  # the family's: run(params) -> metrics
   mngr: object
   writer: metrics.Writer
   step: int  # the state's step: where a stopped run stopped
@@ -294,22 +273,14 @@ class _Loop:
     return step, last
 
   def _evaluate(self, state, step: int, last: dict):
-    """Evaluates, then applies what phase detection and the curriculum decide:
-    (state, metrics, names of the phases reached at this step)."""
-    config = self.config
+    """Evaluates, then applies what the family decides (grokking phases, a
+    curriculum stage): (state, metrics, names of the phases reached here)."""
     ev = self.evaluator.run(state["params"])  # replaces every older eval value:
     last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
     self.writer.write(step, ev)  # a metric this eval lacks must not be logged stale
-    reached = []
-    if config.data.task == "composition":
-      reached = grokking.newly_reached(last, config.phases, self.wd.phases)
-    # On the cadence only: where a run stops must not change its course.
-    stage = self.train_iter.stage if config.train.curriculum.enabled else None
-    if step % config.eval_every == 0 and stage is not None:
-      if (k := curriculum.next_stage(config, stage, last)) is not None:
-        self.train_iter.set_stage(k)
-        state = curriculum.enter(state, k, self.tx, config)
-        reached.append(f"stage_{k}")
+    state, reached = self.family.after_eval(
+      self.config, step, last, self.wd.phases, self.train_iter, state, self.tx
+    )
     if reached:
       self.wd.reach(reached, step)
     return state, last, reached

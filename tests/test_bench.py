@@ -52,11 +52,11 @@ def test_torch_reference_computes_the_same_function():
 
   c = small(3)
   c.model.injection = "add"
-  V = steps.vocab_size(c)
-  jax_model = build_model(c.model, V, steps.SEQ_LEN, 0)
+  V, T = steps.dims(c)
+  jax_model = build_model(c.model, V, T, 0)
   p = nnx.to_pure_dict(nnx.state(jax_model, nnx.Param))
   t = lambda a: torch.as_tensor(np.array(a))  # noqa: E731
-  ref = torch_ref.LoopedTransformer(c.model, V, steps.SEQ_LEN)
+  ref = torch_ref.LoopedTransformer(c.model, V, T)
   with torch.no_grad():
     ref.embed.copy_(t(p["embed"]))
     ref.pos.copy_(t(p["pos"]))
@@ -75,7 +75,7 @@ def test_torch_reference_computes_the_same_function():
       for name in ("norm1", "norm2"):
         getattr(block, name).weight.copy_(t(w[name]["scale"]))
         getattr(block, name).bias.copy_(t(w[name]["bias"]))
-  batch = random_batch(c, V, steps.SEQ_LEN)
+  batch = random_batch(c, V, T)
   expected = jax_model(batch["inputs"], batch["answer_pos"])
   tb = torch_ref.to_torch(batch)
   got = ref(tb["inputs"], tb["answer_pos"]).detach().numpy()
@@ -99,7 +99,7 @@ def test_torch_reference_computes_the_same_language_model():
 
   c = lm.get_config("tiny")
   c.data.seq_len = 12
-  V, T = steps.vocab_size(c), steps.seq_len(c)
+  V, T = steps.dims(c)
   jax_model = build_model(c.model, V, T, 0)
   p = nnx.to_pure_dict(nnx.state(jax_model, nnx.Param))
   t = lambda a: torch.as_tensor(np.array(a))  # noqa: E731

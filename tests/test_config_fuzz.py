@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from experiments import sysgen
 from loopjax import config as config_lib
 from loopjax.data import kg, pipeline, tfds_kg
-from loopjax.evaluate import Evaluator
+from loopjax.kg.evaluate import Evaluator
 from loopjax.state import train_state
 from loopjax.train import make_train_step
 

@@ -10,10 +10,12 @@ import pytest
 from conftest import as_ltg_writes_it, losses, run
 
 from experiments import extrapolation
-from loopjax import curriculum, evaluate, metrics, train
-from loopjax.analysis import ANALYSES, overthinking
+from loopjax import metrics, restore, train
+from loopjax.analysis import ANALYSES
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
+from loopjax.kg import curriculum, overthinking
+from loopjax.kg.evaluate import Evaluator
 from loopjax.state import Model, train_state
 
 
@@ -174,8 +176,8 @@ def test_analyze_agrees_with_evaluation(config, whole):
   } | {"logit_lens_phases.png"}  # the curriculum's stages are its phases
   curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
   assert curves["step"] == 60 and curves["train_depths"] == [2, 4]
-  task, model, _ = evaluate.restore_model(config, whole)
-  ev = evaluate.Evaluator(model.graphdef, config, task, depths=range(1, 7))
+  task, model, _ = restore.from_checkpoint(config, whole)
+  ev = Evaluator(model.graphdef, config, task, depths=range(1, 7))
   results, _ = ev.per_depth(model.params)
   assert set(results) == set(curves["overthinking"])
   for name, res in results.items():
@@ -198,7 +200,7 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
   task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=8)
   config.data.train_hops = 3
   graphdef, state, _ = train_state(config, task)
-  ev = evaluate.Evaluator(graphdef, config, task, depths=(1, 2, 3))
+  ev = Evaluator(graphdef, config, task, depths=(1, 2, 3))
   want, _ = ev.per_depth(state["params"])
   config.analyze.max_depth, config.eval.batch_size = 3, 64
   model = Model(graphdef, state["params"], "float32")

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import CPU_ENV, cli, steps_on_disk
 
-from loopjax import data, evaluate, follow, metrics, train
+from loopjax import data, follow, metrics, restore, train
 from loopjax.errors import ConfigError
+from loopjax.kg.evaluate import Evaluator
 from loopjax.workdir import Workdir
 
 STEPS = [
@@ -83,8 +84,8 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
 
   # The follower's numbers are an evaluation of that checkpoint.
   tiny_config.data.data_dir = str(data_dir)
-  task, model, _ = evaluate.restore_model(tiny_config, workdir, step=200)
-  want = evaluate.Evaluator(model.graphdef, tiny_config, task).run(model.params)
+  task, model, _ = restore.from_checkpoint(tiny_config, workdir, step=200)
+  want = Evaluator(model.graphdef, tiny_config, task).run(model.params)
   got = next(
     r for r in metrics.read_jsonl(workdir / "eval/metrics.jsonl") if r["step"] == 200
   )
@@ -112,7 +113,7 @@ def test_a_checkpoint_deleted_before_its_turn_is_skipped(finished, capsys):
   config, workdir = finished
   task = data.load(config.data)
   job = follow._Job(
-    Workdir(workdir), config, task, evaluate.Reader(config, workdir, task), False
+    Workdir(workdir), config, task, restore.Reader(config, workdir, task), False
   )
   shutil.rmtree(workdir / "checkpoints" / "20")  # the trainer's keep policy, say
   job.evaluate(20)

@@ -106,3 +106,10 @@ def test_fixed_runs_r_max_like_the_model(setup):
 def test_unknown_criterion():
   with pytest.raises(KeyError, match="'x'"):  # config.validate's one line: test_config
     halting.adaptive(None, jnp.zeros((1, 3), int), jnp.zeros(1, int), criterion="x")
+
+
+def test_every_criterion_config_names_has_a_rule():
+  from loopjax.analysis import HALTING_CRITERIA, HALTING_LTG
+
+  assert tuple(halting.CRITERIA) == HALTING_CRITERIA
+  assert set(HALTING_LTG) <= set(HALTING_CRITERIA)

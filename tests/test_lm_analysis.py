@@ -10,16 +10,16 @@ import pytest
 from flax import nnx
 
 from experiments import lm as lm_experiment
-from loopjax import analyze_lm
 from loopjax.analysis import (
   LM_STREAMED,
   attention,
   depth_scan,
   fixed_points,
-  lm_study,
   stages,
 )
 from loopjax.data.lm import LmData
+from loopjax.lm import analyze as analyze_lm
+from loopjax.lm import study as lm_study
 from loopjax.state import Model, build_model
 
 V, T = 64, 24

@@ -149,7 +149,7 @@ def test_embed_scale_and_state_norm():
 
 
 def test_a_huginn_shaped_block_decodes_like_its_forward():
-  from loopjax.sample import generate
+  from loopjax.lm.sample import generate
   from loopjax.state import Model
 
   m = build_model(

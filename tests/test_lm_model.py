@@ -8,7 +8,7 @@ from flax import nnx
 
 from experiments import lm as lm_experiment
 from loopjax import loss
-from loopjax.sample import generate
+from loopjax.lm.sample import generate
 from loopjax.state import Model, build_model
 
 V, T = 64, 40  # T > layers.ELEMENTWISE_MAX_LEN: the fused-attention path

@@ -8,7 +8,8 @@ from test_model import V, inputs, model_cfg
 
 from experiments import extrapolation, sysgen
 from loopjax import config as config_lib
-from loopjax import curriculum, train
+from loopjax import train
+from loopjax.kg import curriculum
 from loopjax.state import build_model, make_optimizer, train_state
 
 

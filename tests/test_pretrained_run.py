@@ -1,4 +1,4 @@
-"""A pretrained model from the command line (loopjax.pretrained.run): the MECH
+"""A pretrained model from the command line (loopjax.lm.pretrained): the MECH
 analyses on prompts and sampling, on the tiny checkpoints of tests/fixtures/hf,
 and bad input refused in one line before anything compiles."""
 
@@ -11,17 +11,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments import pretrained
+from experiments import pretrained as experiment
 from loopjax import config as config_lib
+from loopjax import restore
 from loopjax.errors import ConfigError
-from loopjax.pretrained import run
+from loopjax.lm import pretrained, sample
 from tests.conftest import run as run_cmd
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
 
 def config(variant, fixture, **model):
-  c = pretrained.get_config(variant)
+  c = experiment.get_config(variant)
   c.model.update(hf_dir=str(FIXTURES / fixture), dtype="float32")
   c.model.update(model)
   c.analyze.max_depth = 6
@@ -37,7 +38,7 @@ def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   under Huginn's criteria; the config recorded."""
   c = config("huginn", "huginn")
   c.analyze.halting.update(r_max=6, eps=(1e-2,))
-  written = run.analyze(c, tmp_path)
+  written = pretrained.analyze(c, tmp_path)
   assert {p.name for p in written} >= {"fixed_points.json", "stages.png", "halting.md"}
   exits = json.loads((tmp_path / "analysis" / "halting.json").read_text())
   rows = exits["halting"]["prompts"]["rows"]  # Huginn's 4 criteria, argmax twice
@@ -53,7 +54,7 @@ def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   assert json.loads((tmp_path / "config.json").read_text())["model"]["hf_dir"]
   c2 = config("huginn", "huginn", num_loops=8)  # the workdir holds another run
   with pytest.raises(ConfigError, match="holds a run with another config"):
-    run.analyze(c2, tmp_path)
+    pretrained.analyze(c2, tmp_path)
 
 
 def test_greedy_sampling_continues_as_the_full_forward_would():
@@ -61,13 +62,13 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   token is the argmax of the full forward over the text before it (one
   forward over the whole text: teacher forcing)."""
   from loopjax.data import lm
-  from loopjax.sample import generate
+  from loopjax.lm.sample import generate
 
   c = config("ouro", "ouro")
-  text = run.sample(c, "how many apples", max_new_tokens=5, temperature=0.0)
+  text = sample.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
   prompt = lm.encode(tok, "how many apples")  # <s> and 3 words
-  _, model = run.load_model(c)
+  _, model = restore.from_hf_dir(c)
   tokens, _ = generate(model, np.asarray([prompt]), 5, num_loops=4)
   decoded = lm.tokenizer_from_json(tok).decode(list(map(int, tokens[0])), True)
   assert text == decoded and tokens.shape == (1, 9)
@@ -76,7 +77,7 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
 
 
 def test_prompts_rows_pad_on_the_right_and_mask_the_padding():
-  from loopjax.pretrained import prompts
+  from loopjax.lm import prompts
 
   c = config("llama", "llama_gqa")
   tok = (FIXTURES / "llama_gqa" / "tokenizer.json").read_text()
@@ -107,24 +108,24 @@ def test_bad_prompts_tokenizers_and_splits_name_the_field(tmp_path):
   bad.write_text('{"text": "no question field"}\n')
   c.data.source = f"prompts:{bad}"
   with pytest.raises(ConfigError, match=r"p.jsonl:1: not a JSON object with the pro"):
-    run.analyze(c, tmp_path / "wd")
+    pretrained.analyze(c, tmp_path / "wd")
   c.data.source = f"prompts:{tmp_path / 'none.txt'}"
   with pytest.raises(ConfigError, match="no prompts file"):
-    run.analyze(c, tmp_path / "wd")
-  c.data.source = pretrained.get_config("llama").data.source
+    pretrained.analyze(c, tmp_path / "wd")
+  c.data.source = experiment.get_config("llama").data.source
   c.model.hf_dir = str(_dir_with(tmp_path, "llama_gqa", drop=["tokenizer.json"]))
   with pytest.raises(ConfigError, match="has no tokenizer.json"):
-    run.analyze(c, tmp_path / "wd")
+    pretrained.analyze(c, tmp_path / "wd")
   small = _dir_with(tmp_path / "small", "llama_gqa")  # a 70-token tokenizer
   tok = json.loads((small / "tokenizer.json").read_text())
   tok["model"]["vocab"] |= {f"w{i}": 64 + i for i in range(6)}
   (small / "tokenizer.json").write_text(json.dumps(tok))
   c.model.hf_dir = str(small)
   with pytest.raises(ConfigError, match="70 tokens do not fit the model's 64-row"):
-    run.analyze(c, tmp_path / "wd")
+    pretrained.analyze(c, tmp_path / "wd")
   c.model.update(hf_dir=str(FIXTURES / "llama_gqa"), hf_split="2,x")
   with pytest.raises(ConfigError, match="model.hf_split: must be 'prelude,core,coda'"):
-    run.analyze(c, tmp_path / "wd")
+    pretrained.analyze(c, tmp_path / "wd")
   assert not (tmp_path / "wd").exists()  # nothing written
 
 
@@ -133,7 +134,7 @@ def test_the_command_line_refuses_bad_input_with_one_line(tmp_path):
           "--config=experiments/pretrained.py:ouro",
           f"--workdir={tmp_path / 'wd'}", "--mode=analyze"]  # fmt: skip
   unknown = _dir_with(tmp_path, "ouro", lambda hf: hf.update(model_type="gpt9"))
-  c = pretrained.get_config("ouro")  # in process: a validation error
+  c = experiment.get_config("ouro")  # in process: a validation error
   with pytest.raises(ConfigError, match="model.hf_dir: a local Hugging Face model"):
     config_lib.validate(c)
   for extra, message in [
@@ -188,7 +189,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
     c.mesh.update(data=1, fsdp=fsdp, tensor=1)
     reports.append(aot.check_pretrained(c, fsdp))
   one, four = (r["passes"]["analysis, 6 recurrences"] for r in reports)
-  _, model = run.load_model(config("huginn", "huginn"))
+  _, model = restore.from_hf_dir(config("huginn", "huginn"))
   sizes = [x.size for x in jax.tree.leaves(model.params)]
   assert reports[0]["params"] == sum(sizes)  # every param, none twice
   assert 2.5 < one["arguments"] / four["arguments"] <= 4.0
@@ -205,10 +206,10 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   c.analyze.halting.update(criteria=("argmax", "fixed"), patience=(1,), r_max=3)
   c.analyze.baseline_dir = str(FIXTURES / "huginn")
   with pytest.raises(ConfigError, match="must be a feedforward Llama or OLMo 2"):
-    run.analyze(c, tmp_path)
+    pretrained.analyze(c, tmp_path)
   assert not tmp_path.joinpath("config.json").exists()
   c.analyze.baseline_dir = str(FIXTURES / "llama_gqa")
-  written = {p.name for p in run.analyze(c, tmp_path)}
+  written = {p.name for p in pretrained.analyze(c, tmp_path)}
   assert "stages_vs_baseline.png" in written
   fed = json.loads((tmp_path / "analysis" / "baseline" / "stages.json").read_text())
   rows = fed["stages"]["prompts"]["positions"]

@@ -12,6 +12,7 @@ from conftest import CPU_ENV, cli, losses, run, steps_on_disk
 
 from loopjax import evaluate, loss, metrics, train
 from loopjax.errors import ConfigError
+from loopjax.kg.evaluate import Evaluator
 
 SPLITS = (
   "id_atomic",
@@ -161,7 +162,7 @@ def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_confi
   from loopjax import data
 
   task = data.load(tiny_config.data)
-  ev = evaluate.Evaluator.__new__(evaluate.Evaluator)
+  ev = Evaluator.__new__(Evaluator)
   ev.R, ev.pad = 1, task.vocab.pad_id
   ev.probes = {
     "test_inferred_ood": {k: v[:4] for k, v in task.splits["test_inferred_ood"].items()}
@@ -177,7 +178,7 @@ def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_confi
 
 
 def test_phases_are_recorded_and_their_checkpoints_kept(tiny_config, tmp_path):
-  from loopjax.analysis import grokking
+  from loopjax.kg import grokking
 
   tiny_config.phases.update(memorize=0.3, id=0.0, ood=1.01)  # ood: never
   tiny_config.checkpoint.update(every=20, keep=1)

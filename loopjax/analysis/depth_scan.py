@@ -11,7 +11,7 @@ outputs, their reads and updates, the reads P iterations back and the previous
 iteration's attention weights. Each iteration emits only per-sequence and
 per-token scalars (`stages.layer_stats`, `stages.head_stats`,
 `fixed_points.step_metrics`), so the peak holds a few iterations' attention
-weights, whatever R is (`analyze_lm.memory` measures it).
+weights, whatever R is (`lm.analyze.memory` measures it).
 """
 
 import jax

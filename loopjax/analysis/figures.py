@@ -1,22 +1,12 @@
-"""Figures, markdown tables and one-line summaries of `--mode=analyze` results."""
+"""Figures, markdown tables and one-line summaries of the overthinking curves
+and the halting table (knowledge-graph probe splits)."""
 
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from loopjax.data.kg import hop_count  # noqa: E402
-
-
-def write_sweep_report(root: Path, name: str, table: str, draw) -> list[Path]:
-  """`root/<name>.md` (`table`) and `root/plots/<name>.png` (`draw(path)`)."""
-  md = root / f"{name}.md"
-  md.write_text(table)
-  (root / "plots").mkdir(exist_ok=True)
-  return [md, draw(root / "plots" / f"{name}.png")]
+from loopjax.analysis.plots import markdown, plt, save
+from loopjax.data.kg import hop_count
 
 
 def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
@@ -171,17 +161,3 @@ def table(name: str, report: dict) -> str:
       ]
       lines.append([_name(r), f"{acc:.3f} / {iters:.1f}", *cells])
   return markdown(head, lines)
-
-
-def markdown(head: list[str], rows: list[list[str]]) -> str:
-  """A markdown table."""
-  out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-  return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
-
-
-def save(fig, path: Path, tight: bool = True) -> Path:
-  if tight:  # off for figures with a colorbar shared by several axes
-    fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path

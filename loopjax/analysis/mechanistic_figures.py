@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import markdown, plt, save
+from loopjax.analysis.plots import markdown, plt, save
 
 # (what is looked for, where it is read); the phases figure shows the two where
 # composition shows up: the bridge at the relation, the answer at the answer.
@@ -332,6 +332,14 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
           ]
         )
   return head, out
+
+
+def fixed_cell(r: dict) -> str:
+  """kind (converged at, per layer); the last layer's read change (median over
+  tokens) from the last iteration to the one before."""
+  conv = ", ".join(str(c or "-") for c in r["converged_at"])
+  n = len(r["change"])  # entry n - 1: iteration n to n + 1
+  return f"{r['kind']} ({conv}); {r['change'][-1]:.1e} at r = {n} -> {n + 1}"
 
 
 def ladder(layer: dict) -> str:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import markdown, plt, save
 from loopjax.analysis.mechanistic_figures import main_result
+from loopjax.analysis.plots import markdown, plt, save
 
 PANELS = (
   ("sink_rate", "attention-sink rate", False),

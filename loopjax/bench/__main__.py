@@ -48,7 +48,7 @@ def bench_step(config) -> dict:
     "matmul_peak_flops": peak,
     **steps.side_by_side(config, torch=_TORCH.value),
   }
-  B, T = config.train.batch_size, steps.seq_len(config)
+  B, T = config.train.batch_size, steps.dims(config)[1]
   print(
     f"{'':8}{'step ms':>9}{'ex/s':>9}{'tok/s':>9}{'GFLOP/s':>9}{'MFU':>7}"
     f"{'compile s':>11}{'peak MB':>9}"
@@ -139,10 +139,10 @@ def bench_halting(config) -> dict:
   from loopjax import halting
   from loopjax.state import build_model
 
-  R, V = 16, steps.vocab_size(config)
-  model = build_model(config.model, V, steps.SEQ_LEN, config.seed)
+  R, (V, T) = 16, steps.dims(config)
+  model = build_model(config.model, V, T, config.seed)
   graphdef, params = nnx.split(model)
-  b = measure.random_batch(config, V, steps.SEQ_LEN)
+  b = measure.random_batch(config, V, T)
   tokens, pos = jax.device_put(b["inputs"]), jax.device_put(b["answer_pos"])
   programs = {
     "scan, R=16": lambda p: nnx.merge(graphdef, p)(tokens, pos, num_loops=R),

@@ -7,6 +7,8 @@ import time
 import jax
 import numpy as np
 
+from loopjax import task as task_lib
+
 
 def timed(fn, *, warmup: int, steps: int, repeats: int) -> float:
   """Median over `repeats` of the mean seconds per call over `steps` calls.
@@ -40,20 +42,7 @@ def timed_side_by_side(fns: dict, *, warmup: int, steps: int, repeats: int) -> d
 def random_batch(config, vocab_size: int, seq_len: int) -> dict:
   """A training batch of the task's shapes (tokens are random: speed only)."""
   rng = np.random.default_rng(config.seed)
-  B = config.train.batch_size
-  if config.data.task == "lm":  # one document per sequence: nothing masked
-    tokens = rng.integers(0, vocab_size, (B, seq_len + 1)).astype(np.int32)
-    return {
-      "inputs": tokens[:, :-1],
-      "targets": tokens[:, 1:],
-      "segments": np.zeros((B, seq_len), np.int32),
-      "mask": np.ones((B, seq_len), np.float32),
-    }
-  return {
-    "inputs": rng.integers(0, vocab_size - 1, (B, seq_len)).astype(np.int32),
-    "target": rng.integers(0, config.data.num_entities, B).astype(np.int32),
-    "answer_pos": np.full(B, seq_len - 1, np.int32),
-  }
+  return task_lib.for_config(config).random_batch(config, rng, vocab_size, seq_len)
 
 
 def model_flops(config, seq_len: int, vocab_size: int) -> float:
@@ -72,7 +61,8 @@ def model_flops(config, seq_len: int, vocab_size: int) -> float:
   # attention computes (and counts) the full T x T, as PaLM's count does.
   per_layer = 2 * ((2 + 2 * kv) * d * d + mlp) + 2 * 2 * T * d
   adapter = 2 * 2 * d * d * m.num_loops if m.injection == "concat" else 0
-  readouts = B * T if config.data.task == "lm" else B  # logits per position
+  # logits per position (LM) or per sequence (the answer)
+  readouts = B * T if task_lib.for_config(config).reads_every_position else B
   return 3.0 * (B * T * (layers * per_layer + adapter) + readouts * 2 * d * vocab_size)
 
 

@@ -4,27 +4,21 @@ import time
 
 import jax
 
+from loopjax import data
+from loopjax import task as task_lib
 from loopjax.bench.measure import (
   device_memory,
   model_flops,
   random_batch,
   timed_side_by_side,
 )
-from loopjax.data.kg import Vocab
 from loopjax.state import build_model, init_state, make_optimizer
 from loopjax.train import make_train_step
 
-SEQ_LEN = 3  # 2-hop composition: [h, r1, r2]
 
-
-def vocab_size(config) -> int:
-  if config.data.task == "lm":
-    return config.data.vocab_size
-  return Vocab(config.data.num_entities, config.data.num_relations).vocab_size
-
-
-def seq_len(config) -> int:
-  return config.data.seq_len if config.data.task == "lm" else SEQ_LEN
+def dims(config) -> tuple[int, int]:
+  """(vocab size, sequence length) of the config's task, from the config alone."""
+  return data.model_dims(task_lib.for_config(config).without_examples(config))
 
 
 def jax_step(config) -> dict:
@@ -52,7 +46,7 @@ def side_by_side(config, torch: bool) -> dict:
 
 def _jax_program(config):
   """The compiled step as a blocking call, and what compiling it measured."""
-  V, T = vocab_size(config), seq_len(config)
+  V, T = dims(config)
   model = build_model(config.model, V, T, config.seed)
   tx = make_optimizer(config.train)
   graphdef, state = init_state(model, tx, config.seed)
@@ -86,7 +80,7 @@ def _torch_program(config):
   """A step of the same model and optimizer in PyTorch eager, as a call."""
   from loopjax.bench import torch_ref
 
-  V, T = vocab_size(config), seq_len(config)
+  V, T = dims(config)
   step = torch_ref.make_train_step(config, V, T)
   batch = torch_ref.to_torch(random_batch(config, V, T))
   return lambda: step(batch)

@@ -17,8 +17,6 @@ def check_task(config, task) -> None:
   """What validation cannot see before the data are loaded (the papers' files
   fix their own hop counts): the hops to train on and the held-out chains each
   curriculum stage advances on must exist."""
-  if task.task != "chains":
-    return
   if config.data.train_hops > task.max_hops:
     raise ConfigError(
       f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "

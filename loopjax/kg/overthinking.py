@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from loopjax.data import pipeline
-from loopjax.evaluate import logits_per_iteration
+from loopjax.kg.evaluate import logits_per_iteration
 from loopjax.state import eval_key
 
 

@@ -1,5 +1,5 @@
-"""`--mode=analyze` and `--mode=sample` on a pretrained model: `model.hf_dir`
-loaded (no checkpoint, no training), prompts from `data.source=prompts:FILE`.
+"""`--mode=analyze` on a pretrained model: `model.hf_dir` loaded (no
+checkpoint, no training), prompts from `data.source=prompts:FILE`.
 
 The model's config is the directory's (its family's mapping, `pretrained.load`)
 with `model.num_loops` recurrences and `model.dtype`; `model.hf_split` places
@@ -10,44 +10,39 @@ workdir, which records the config (a later run with another refuses it).
 import json
 from pathlib import Path
 
-import numpy as np
-
-from loopjax import analyze_lm, sharding
 from loopjax import config as config_lib
-from loopjax import sample as sample_lib
+from loopjax import restore
 from loopjax.analysis import stage_figures
-from loopjax.data import lm
 from loopjax.errors import ConfigError
+from loopjax.lm import analyze as analyze_lm
+from loopjax.lm import prompts as prompts_lib
 from loopjax.pretrained import llama
-from loopjax.pretrained import prompts as prompts_lib
-from loopjax.pretrained.load import load, resolve, split
+from loopjax.pretrained.load import resolve, split
 from loopjax.workdir import Workdir, write_atomic
 
 
-def load_model(config):
-  """(model config, Model) of `model.hf_dir`, its params put straight into
-  their shards on the run's mesh (`mesh`, `sharding.rules`)."""
-  m, rules = config.model, tuple(config.sharding.rules)
-  mesh = sharding.make_mesh(config.mesh)
-  return load(m.hf_dir, m, split(config), m.num_loops, m.dtype, mesh=mesh, rules=rules)
-
-
-def tokenizer(config) -> str:
-  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
-  config.json gives (the weights not read yet)."""
+def _shape(config):
+  """`resolve` of `model.hf_dir` from its config.json alone (no weight read)."""
   m = config.model
-  vocab_size = resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)[3]
-  return prompts_lib.tokenizer_json(m.hf_dir, vocab_size)
+  return resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)
+
+
+def tokenizer(config, vocab_size: int | None = None) -> str:
+  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
+  config.json gives (`vocab_size`, if already read; the weights not read)."""
+  vocab_size = _shape(config)[3] if vocab_size is None else vocab_size
+  return prompts_lib.tokenizer_json(config.model.hf_dir, vocab_size)
 
 
 def prepare(config, workdir):
   """(task, prompts): the directory's config, tokenizer and prompts and the
   workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
-  task = prompts_lib.task(config, tokenizer(config), prompts)
+  _, _, cfg, vocab_size, _ = _shape(config)
+  task = prompts_lib.task(config, tokenizer(config, vocab_size), prompts)
   h, m = config.analyze.halting, config.model
-  cfg = resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)[2]
-  if "halting" in config.analyze.names and "gate" in h.criteria and not cfg.exit_gate:
+  names = config_lib.analyses(config)
+  if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
     raise ConfigError(
       "analyze.halting.criteria: 'gate' reads an exit gate (Ouro's); "
       f"{m.hf_dir} has none"
@@ -66,14 +61,14 @@ def analyze(config, workdir) -> list[Path]:
   baseline = _baseline_config(config)
   task, prompts = prepare(config, workdir)
   base_task = baseline and prompts_lib.task(baseline, tokenizer(baseline), prompts)
-  cfg, model = load_model(config)  # every tensor checked: then the record
+  cfg, model = restore.from_hf_dir(config)  # every tensor checked: then the record
   write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
   written = _run(config, cfg, model, task, prompts, out)
   if baseline is None:
     return written
   del model  # one model in memory at a time
-  cfg, model = load_model(baseline)
+  cfg, model = restore.from_hf_dir(baseline)
   written += _run(baseline, cfg, model, base_task, prompts, out / "baseline")
   looped, fed = (
     json.loads((d / "stages.json").read_text()) for d in (out, out / "baseline")
@@ -102,7 +97,7 @@ def _baseline_config(config):
   path = config.analyze.baseline_dir
   if not path:
     return None
-  if "stages" not in config.analyze.names:
+  if "stages" not in config_lib.analyses(config):
     raise ConfigError(
       "analyze.baseline_dir: compares stages; add 'stages' to analyze.names"
     )
@@ -116,25 +111,3 @@ def _baseline_config(config):
       f"{path} holds model_type {hf.config['model_type']!r}"
     )
   return b
-
-
-def sample(config, prompt: str, *, max_new_tokens: int, num_loops=None, **kw):
-  """`prompt` continued by the loaded model at `num_loops` recurrences
-  (default `model.num_loops`), with a key/value cache (`sample.generate`)."""
-  tok = tokenizer(config)
-  ids = lm.encode(tok, prompt)
-  if not ids:
-    raise ConfigError("--prompt: encodes to no token: nothing to continue")
-  eos = lm.special_ids(tok, "tokenizer.json")[2]
-  _, model = load_model(config)
-  tokens, _ = sample_lib.generate(
-    model,
-    np.asarray([ids], np.int32),
-    max_new_tokens,
-    num_loops=num_loops or config.model.num_loops,
-    eos_id=eos,
-    **kw,
-  )
-  return lm.tokenizer_from_json(tok).decode(
-    list(map(int, tokens[0])), skip_special_tokens=True
-  )

@@ -1,4 +1,5 @@
-"""`--mode=sample`: text from a language-model run, with a key/value cache.
+"""`--mode=sample`: text from a language model (a run's checkpoint or a
+pretrained directory), with a key/value cache.
 
 The prompt is one prefill call; every new token is one call of the same
 compiled step at the next position (the position is an argument), so the
@@ -12,9 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import evaluate
+from loopjax import restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
+from loopjax.lm import pretrained
 from loopjax.state import Model
 
 
@@ -75,13 +77,34 @@ def generate(
 def sample(
   config, workdir, prompt: str, *, max_new_tokens: int, step=None, num_loops=None, **kw
 ) -> str:
-  """Restores the run's checkpoint (default: the newest) and continues
-  `prompt` at `num_loops` recurrences (default: the trained R)."""
-  if config.data.task != "lm":
-    raise ConfigError(
-      "--mode=sample: needs a language-model run (data.task lm); got "
-      f"{config.data.task!r}"
-    )
+  """`prompt` continued at `num_loops` recurrences (default: the trained R) by
+  the run's checkpoint at `step` (default: the newest) or, with
+  `model.hf_dir`, by that pretrained model."""
+  if config.model.hf_dir:
+    tok = pretrained.tokenizer(config)
+    ids = lm.encode(tok, prompt)
+    if not ids:
+      raise ConfigError("--prompt: encodes to no token: nothing to continue")
+    eos, skip = lm.special_ids(tok, "tokenizer.json")[2], 0
+    model = restore.from_hf_dir(config)[1]
+  else:
+    task, ids = _run_prompt(config, workdir, prompt, max_new_tokens)
+    tok, eos, skip = task.tokenizer_json, task.eos_id, 1 if config.data.bos else 0
+    model = restore.from_checkpoint(config, workdir, step, task=task)[1]
+  tokens, _ = generate(
+    model,
+    np.asarray([ids], np.int32),
+    max_new_tokens,
+    num_loops=num_loops or config.model.num_loops,
+    eos_id=eos,
+    **kw,
+  )
+  return lm.decode(tok, tokens[0, skip:])
+
+
+def _run_prompt(config, workdir, prompt: str, new: int):
+  """(the run's task without its corpus, the prompt's ids), checked against
+  the positions the model has."""
   path = Path(workdir) / "tokenizer.json"
   if not path.exists():
     raise ConfigError(f"--workdir={workdir}: no tokenizer.json; is it an LM run?")
@@ -89,7 +112,6 @@ def sample(
   ids = ([task.bos_id] if config.data.bos else []) + lm.encode(
     task.tokenizer_json, prompt
   )
-  new = max_new_tokens
   if not ids:
     raise ConfigError("--prompt: empty, and data.bos is off: nothing to continue")
   if (
@@ -100,17 +122,4 @@ def sample(
       f"--max_new_tokens: the prompt ({len(ids)} tokens) and {new} new tokens exceed "
       f"the {task.seq_len} positions of a {config.model.pos_encoding}-position model"
     )
-  reader = evaluate.Reader(config, workdir, task)
-  try:
-    model, step = reader.model(step)
-  finally:
-    reader.close()
-  tokens, _ = generate(
-    model,
-    np.asarray([ids], np.int32),
-    new,
-    num_loops=num_loops or config.model.num_loops,
-    eos_id=task.eos_id,
-    **kw,
-  )
-  return lm.decode(task.tokenizer_json, tokens[0, 1 if config.data.bos else 0 :])
+  return task, ids

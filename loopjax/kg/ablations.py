@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis.figures import markdown, plt, save, write_sweep_report
+from loopjax.analysis import mechanistic_figures
 from loopjax.analysis.mechanistic_figures import main_result
+from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.metrics import read_jsonl, wall_times
 
 COLUMNS = (
@@ -78,7 +79,7 @@ def table(rows: list[dict]) -> str:
       r["run"],
       f"{r['L']} x {r['R']}",
       *(_num(acc.get(k)) for k in (1, 2, 4)),
-      fixed_cell(r) if conv else "-",
+      mechanistic_figures.fixed_cell(r) if conv else "-",
       _profile(r["profile"]) if "profile" in r else "-",
       _num(r.get("top_share")),
       _num(r.get("bridge_mrr")),
@@ -95,14 +96,6 @@ def _profile(shares) -> str:
   while len(cells) > 1 and cells[-1] == "0.00":
     cells.pop()
   return " ".join(cells)
-
-
-def fixed_cell(r: dict) -> str:
-  """kind (converged at, per layer); the last layer's read change (median over
-  tokens) from the last iteration to the one before."""
-  conv = ", ".join(str(c or "-") for c in r["converged_at"])
-  n = len(r["change"])  # entry n - 1: iteration n to n + 1
-  return f"{r['kind']} ({conv}); {r['change'][-1]:.1e} at r = {n} -> {n + 1}"
 
 
 def _num(x) -> str:

@@ -1,4 +1,4 @@
-"""`--mode=analyze` on a language model: fixed points, stages of inference and
+"""A language model's analyses: fixed points, stages of inference and
 attention, from one streamed pass over validation windows (`depth_scan`).
 
 `analyze.lm_windows` windows of validation text (documents held out whole),
@@ -16,15 +16,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from loopjax import config as config_lib
 from loopjax.analysis import (
   LM_STREAMED,
   attention,
   depth_scan,
   fixed_points,
   lm_halting,
-  mechanistic_figures,
-  stage_figures,
   stages,
+  views,
 )
 from loopjax.data import lm
 from loopjax.errors import ConfigError
@@ -97,7 +97,7 @@ def run(
   """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`;
   `probe`: (batches, n) to analyze instead of validation windows, reported
   as `split` (a pretrained model's prompts)."""
-  a, out_dir = config.analyze, Path(out_dir)
+  a, out_dir, names = config.analyze, Path(out_dir), config_lib.analyses(config)
   out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth
   probe, n = probe or batches(task, a.lm_windows, a.batch_size)
@@ -110,11 +110,11 @@ def run(
     "seq_len": int(probe[0]["inputs"].shape[1]),
   }
   written = []
-  if "halting" in a.names:
+  if "halting" in names:
     report = head | {"halting": {split: lm_halting.table(model, probe, n, config, key)}}
     written += _write(out_dir, "halting", report, lm_halting.markdown(report, split))
     print("halting: " + lm_halting.summary(report, split))
-  if not set(a.names) & set(LM_STREAMED):
+  if not set(names) & set(LM_STREAMED):
     return written
   compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
   mem = memory(compiled, probe[0], depth, config.model)
@@ -130,9 +130,9 @@ def run(
       | {"sink": ex["attention"]["sink"].mean(0).tolist()}
     ),
   }
-  for name in (n for n in a.names if n in LM_STREAMED):
+  for name in (n for n in names if n in LM_STREAMED):
     report = head | {name: {split: results[name]()}}
-    view = stage_figures if name == "stages" else mechanistic_figures
+    view = views.LM[name]
     written += _write(out_dir, name, report, view.table(name, report))
     written += view.plot(name, report, out_dir)
     print(f"{name}: " + view.summary(name, report))

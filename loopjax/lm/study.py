@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loopjax.analysis import ablations
-from loopjax.analysis.figures import markdown, plt, save, write_sweep_report
+from loopjax.analysis import mechanistic_figures
+from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.metrics import read_jsonl, wall_times
 
 COLUMNS = (
@@ -111,7 +111,7 @@ def table(rows: list[dict]) -> str:
         f"{r['L']} x {R}",
         *(_num(loss.get(k * R), ".3f") for k in (1, 2, 4)),
         f"{loss[best]:.3f} ({best})" if best else "-",
-        ablations.fixed_cell(r) if conv else "-",
+        mechanistic_figures.fixed_cell(r) if conv else "-",
         *(
           " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
           for stat, fmt in (

@@ -1,0 +1,130 @@
+"""A knowledge-graph run's accuracy and loss on every probe split, at one or
+several inference depths.
+
+One forward pass to the deepest requested depth reads the answer after every
+iteration, so all depths cost one compiled program and one pass over the data.
+"""
+
+import math
+
+import jax
+import optax
+
+from loopjax import data, sharding
+from loopjax.data import kg, pipeline
+from loopjax.state import Model, eval_key
+
+
+def logits_per_iteration(model: Model, batch, num_loops: int, key):
+  """Answer logits after each iteration 1..num_loops, (R, B, V); `key` draws a
+  random initial state (model.init_state random). Traced inside callers' jit."""
+  _, logits_RBV = model.module()(
+    batch["inputs"],
+    batch["answer_pos"],
+    num_loops=num_loops,
+    per_iteration=True,
+    key=key,
+  )
+  return logits_RBV
+
+
+class Evaluator:
+  """Evaluates params on the task's probe splits (`data.probes`)."""
+
+  def __init__(
+    self, graphdef, config, task, depths=(), mesh=None, param_shardings=None
+  ):
+    """With a mesh, batches are split over it (and `param_shardings` given for
+    the params); results come back replicated on every process."""
+    self.R = config.model.num_loops
+    self.depths = sorted({int(d) for d in depths} | {self.R})
+    self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
+    self.pad = task.vocab.pad_id
+    split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
+    longest = max((len(v["target"]) for v in self.probes.values()), default=1)
+    # A multiple of the split (eval_batches pads the last batch).
+    self.batch_size = split * math.ceil(min(config.eval.batch_size, longest) / split)
+    key, dtype, R_eval = eval_key(config), config.model.dtype, self.depths[-1]
+
+    def eval_step(params, batch):
+      """Per example and depth: cross-entropy and whether the argmax is right."""
+      with sharding.active(mesh, config.sharding.rules):
+        return _eval_step(params, batch)
+
+    def _eval_step(params, batch):
+      model = Model(graphdef, params, dtype)
+      logits_RBV = logits_per_iteration(model, batch, R_eval, key)
+      target_B = batch["target"]
+      loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
+        logits_RBV, target_B
+      )
+      return loss_RB, logits_RBV.argmax(-1) == target_B[None]
+
+    if mesh is None:
+      self._eval_step = jax.jit(eval_step)
+      self._put = lambda batch: batch
+    else:
+      batch_sharding = sharding.batch_sharding(mesh, config.sharding.rules)
+      self._eval_step = jax.jit(
+        eval_step,
+        in_shardings=(param_shardings, batch_sharding),
+        out_shardings=sharding.replicated(mesh),
+      )
+      self._put = lambda batch: sharding.global_from_full(batch, batch_sharding)
+
+  def per_example(self, params, split):
+    """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""
+    return pipeline.map_batches(
+      lambda b: self._eval_step(params, self._put(b)),
+      split,
+      self.batch_size,
+      self.pad,
+      axis=1,
+    )
+
+  def per_depth(self, params) -> tuple[dict, dict]:
+    """{split: {"acc": {depth: .}, "loss": {depth: .}}}, and per-example results."""
+    out, examples = {}, {}
+    for name, split in self.probes.items():
+      loss_RN, correct_RN = examples[name] = self.per_example(params, split)
+      out[name] = {
+        "acc": {d: float(correct_RN[d - 1].mean()) for d in self.depths},
+        "loss": {d: float(loss_RN[d - 1].mean()) for d in self.depths},
+      }
+    return out, examples
+
+  def conditional_ood(self, params, correct_N) -> dict:
+    """OOD accuracy on the queries whose two atomic facts the model answers.
+
+    Tells composition failure apart from memorization failure: a model that
+    knows both hops but misses the query has not learned to compose them.
+    `correct_N`: whether each test_inferred_ood query is answered at depth R.
+    """
+    split = self.probes.get("test_inferred_ood")
+    if split is None or not len(split["target"]):
+      return {}
+    hop1, hop2 = kg.hops(split, self.pad)
+    known_N = (
+      self.per_example(params, hop1)[1][self.R - 1]
+      & self.per_example(params, hop2)[1][self.R - 1]
+    )
+    out = {"eval/test_inferred_ood/atomic_known": float(known_N.mean())}
+    if known_N.any():
+      out["eval/test_inferred_ood/acc_given_atomic"] = float(correct_N[known_N].mean())
+    return out
+
+  def run(self, params) -> dict:
+    """Flat metrics: `eval/<split>/{acc,loss}` at the train depth, `acc@<d>` else."""
+    return self.run_all(params)[0]
+
+  def run_all(self, params) -> tuple[dict, dict]:
+    """(flat metrics as `run`, results per split and depth as `per_depth`)."""
+    results, examples = self.per_depth(params)
+    out = {}
+    if "test_inferred_ood" in examples:
+      out |= self.conditional_ood(params, examples["test_inferred_ood"][1][self.R - 1])
+    for name, res in results.items():
+      out[f"eval/{name}/acc"] = res["acc"][self.R]
+      out[f"eval/{name}/loss"] = res["loss"][self.R]
+      out |= {f"eval/{name}/acc@{d}": a for d, a in res["acc"].items() if d != self.R}
+    return out, results

@@ -1,0 +1,120 @@
+"""The knowledge-graph families: 2-hop composition (grokking phases) and k-hop
+chains (an optional hop curriculum). `loopjax.task` finds them by name."""
+
+import numpy as np
+
+from loopjax import data, loss
+from loopjax.data import kg
+from loopjax.errors import ConfigError
+from loopjax.kg import curriculum, grokking
+from loopjax.kg.evaluate import Evaluator
+
+
+class _KnowledgeGraph:
+  """What composition and chains share: probe splits, the answer's loss."""
+
+  loss_fn = staticmethod(loss.loss_fn)
+  reads_every_position = False
+
+  def load(self, config):
+    return data.load(config.data)
+
+  def train_iterator(self, config, task, rows):
+    return curriculum.train_iterator(config, task, rows)
+
+  def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
+    return Evaluator(graphdef, config, task, depths, mesh, shardings)
+
+  def eval_depths(self, config) -> list[int]:
+    return list(config.eval.depths) or [config.model.num_loops]
+
+  def eval_table(self, config, report: dict):
+    rows = [(name, res["acc"]) for name, res in report["splits"].items()]
+    title = f"accuracy at step {report['step']} by inference depth R:"
+    return title, report["depths"], rows
+
+  def follow_phases(self, config, records: list[dict]) -> dict | None:
+    return None
+
+  def analyze(self, config, workdir, task, model, step, out_dir, phases=True):
+    from loopjax.kg import analyze  # figures: matplotlib, not needed to train
+
+    split = self.main_split(config)
+    return analyze.run(config, workdir, task, model, step, out_dir, split, phases)
+
+  def sample(self, config, workdir, prompt: str, **kw) -> str:
+    raise ConfigError(
+      f"--mode=sample: needs a language-model run (data.task lm); got {self.name!r}"
+    )
+
+  def without_examples(self, config):
+    return kg.without_examples(config.data)
+
+  def batch_shapes(self, config, task, batch_size: int) -> dict:
+    B = batch_size
+    return {
+      "inputs": ((B, task.max_hops + 1), np.int32),
+      "target": ((B,), np.int32),
+      "answer_pos": ((B,), np.int32),
+    }
+
+  def random_batch(self, config, rng, vocab_size: int, seq_len: int) -> dict:
+    B = config.train.batch_size
+    return {
+      "inputs": rng.integers(0, vocab_size - 1, (B, seq_len)).astype(np.int32),
+      "target": rng.integers(0, config.data.num_entities, B).astype(np.int32),
+      "answer_pos": np.full(B, seq_len - 1, np.int32),
+    }
+
+
+class Composition(_KnowledgeGraph):
+  """2-hop composition: memorize, then ID, then OOD generalization (phases)."""
+
+  name = "composition"
+
+  def main_split(self, config) -> str:
+    """The held-out split the figures single out."""
+    return "test_inferred_ood"
+
+  def phase_names(self, config) -> tuple[str, ...]:
+    return tuple(grokking.PHASES)
+
+  def after_eval(self, config, step, metrics, phases, train_iter, state, tx):
+    return state, grokking.newly_reached(metrics, config.phases, phases)
+
+  def finished(self, config, phases: dict) -> str | None:
+    return f"phases: {grokking.summary(phases)}"
+
+  def follow_phases(self, config, records: list[dict]) -> dict | None:
+    return grokking.detect(records, config.phases)
+
+
+class Chains(_KnowledgeGraph):
+  """k-hop chains: depth extrapolation, with a hop curriculum if enabled."""
+
+  name = "chains"
+
+  def main_split(self, config) -> str:
+    """The held-out split the figures single out: the deepest trained k."""
+    return f"test_k{config.data.train_hops}"
+
+  def load(self, config):
+    task = data.load(config.data)
+    curriculum.check_task(config, task)  # the papers' files fix their hop counts
+    return task
+
+  def phase_names(self, config) -> tuple[str, ...]:
+    return curriculum.stage_names(config)
+
+  def after_eval(self, config, step, metrics, phases, train_iter, state, tx):
+    # On the cadence only: where a run stops must not change its course.
+    if not config.train.curriculum.enabled or step % config.eval_every:
+      return state, []
+    k = curriculum.next_stage(config, train_iter.stage, metrics)
+    if k is None:
+      return state, []
+    train_iter.set_stage(k)
+    return curriculum.enter(state, k, tx, config), [f"stage_{k}"]
+
+  def finished(self, config, phases: dict) -> str | None:
+    return f"curriculum: {curriculum.stages_summary(phases, config)}"
