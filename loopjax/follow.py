@@ -82,7 +82,7 @@ class _Job:
   """The follower's state: what it evaluated, and where it writes."""
 
   def __init__(self, wd: Workdir, config, task, reader, analyses: bool):
-    self.wd, self.config, self.task, self.reader = wd, config, task, reader
+    self.wd, self.config, self.data, self.reader = wd, config, task, reader
     self.analyses, self.family = analyses, task_lib.for_config(config)
     self.evaluator = self.family.evaluator(
       config, task, reader.graphdef, config.eval.depths
@@ -100,12 +100,12 @@ class _Job:
     try:
       model, _ = self.reader.model(step)
       flat, per_depth = self.evaluator.run_all(model.params)
-      report = evaluate.results(self.config, self.task, per_depth, step)
+      report = evaluate.results(self.config, self.data, per_depth, step)
       evaluate.write_results(self.wd.path, report)
       if self.analyses:
         out = self.wd.path / "analysis" / f"step_{step}"
         self.family.analyze(
-          self.config, self.wd.path, self.task, model, step, out, False
+          self.config, self.wd.path, self.data, model, step, out, False
         )
     except Exception as e:  # noqa: BLE001 - a checkpoint gone or unreadable
       if not (self.wd.checkpoint_dir / str(step)).exists():

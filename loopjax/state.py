@@ -19,7 +19,8 @@ def build_model(model_cfg, vocab_size: int, max_len: int, seed: int):
 
 
 def make_optimizer(tc) -> optax.GradientTransformation:
-  """AdamW with linear warmup, then constant or cosine decay to 0."""
+  """AdamW with linear warmup, then constant or cosine decay to 0; with a hop
+  curriculum, its updates times a scale each stage sets (`curriculum.enter`)."""
   decay_steps = max(tc.num_steps - tc.warmup_steps, 1)
   after = (
     optax.constant_schedule(tc.lr)
@@ -38,11 +39,14 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   adamw = optax.adamw(
     lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay, mask=decay_mask
   )
-  return (
+  tx = (
     optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
     if tc.grad_clip > 0
     else adamw
   )
+  if tc.curriculum.enabled:
+    tx = optax.chain(tx, optax.inject_hyperparams(optax.scale)(step_size=1.0))
+  return tx
 
 
 def init_state(model, tx, seed: int, params=None):
@@ -67,8 +71,8 @@ def init_state(model, tx, seed: int, params=None):
 def train_state(config, task, params=None):
   """(graphdef, initial train state, optimizer) for a config and its task data
   (`params`: see `init_state`); a curriculum run's state also holds its stage."""
-  model = build_model(config.model, *data.model_dims(task), config.seed)
   tx = make_optimizer(config.train)
+  model = build_model(config.model, *data.model_dims(task), config.seed)
   graphdef, state = init_state(model, tx, config.seed, params)
   if config.train.curriculum.enabled:
     state["stage"] = jnp.int32(config.train.curriculum.start)
@@ -84,11 +88,11 @@ def sharded_train_state(config, task, mesh, abstract: bool = False, params=None)
   targets, ahead-of-time compiles); `params`: arrays for some top-level params
   (`init_state`), put where the rules place them (already there: as they are)
   and donated."""
+  tx = make_optimizer(config.train)
   abstract_model = nnx.eval_shape(
     lambda: build_model(config.model, *data.model_dims(task), config.seed)
   )
   graphdef = nnx.split(abstract_model, nnx.Param)[0]
-  tx = make_optimizer(config.train)
 
   def init(given):
     return train_state(config, task, given)[1]

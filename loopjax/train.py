@@ -13,7 +13,6 @@ import math
 import signal
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.experimental import multihost_utils
 
@@ -51,13 +50,7 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
 
       (value, acc), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    extra = {}
-    if t.curriculum.enabled:  # the lr times lr_decay per stage passed, >= lr_min
-      cur = t.curriculum
-      scale = jnp.float32(cur.lr_decay) ** (state["stage"] - cur.start)
-      scale = jnp.maximum(scale, cur.lr_min / t.lr)
-      updates = jax.tree.map(lambda u: u * scale, updates)
-      extra["train/stage"] = state["stage"]
+    extra = {"train/stage": state["stage"]} if "stage" in state else {}
     if depth is not None:
       extra["train/depth"] = depth
     new_state = state | {

@@ -17,7 +17,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from loopjax import config as config_lib
-from loopjax import data as data_lib
 from loopjax.errors import ConfigError
 
 # Fields that may change when a run resumes: how long and how often, not what.
@@ -146,11 +145,9 @@ class Workdir:
         f"in {saved} differs); use a new --workdir"
       )
 
-  def record(self, config, task, phases=(), dataset=None) -> None:
-    """Writes config.json, dataset.json and phases.json (each of `phases` null
-    until reached), after `check_data`; `dataset`: data.summary(task), if
-    already computed."""
-    dataset = dataset or data_lib.summary(task)
+  def record(self, config, task, phases, dataset: dict) -> None:
+    """Writes config.json, dataset.json (`dataset`: `data.summary(task)`) and
+    phases.json (each of `phases` null until reached), after `check_data`."""
     self.check_data(dataset)
     sizes, saved = dataset["sizes"], self.path / "dataset.json"
     print(

@@ -86,7 +86,7 @@ def test_stage_decays_the_lr(config, floor):
     state, _ = step(state, batch)  # opt_state: past warmup, the lr is constant
 
   def delta(stage):
-    s = jax.tree.map(jnp.copy, state) | {"stage": jnp.int32(stage)}
+    s = curriculum.enter(jax.tree.map(jnp.copy, state), stage, tx, config)
     new, out = step(s, batch)
     assert int(out["train/stage"]) == stage
     return jax.tree.map(lambda a, b: b - a, state["params"], new["params"])
@@ -119,16 +119,20 @@ def test_next_stage_and_entering_it_optionally_resets_the_optimizer(config, rese
   assert curriculum.next_stage(config, 2, {"eval/test_k2/acc": 0.9}) == 3
   assert curriculum.next_stage(config, 3, {"eval/test_k2/acc": 1.0}) is None
   assert curriculum.stage_names(config) == ("stage_3", "stage_4")
+  config.train.curriculum.lr_decay = 0.7
   new = curriculum.enter(state, 3, tx, config)
   assert int(new["stage"]) == 3 and int(state["stage"]) == 2  # the old one unchanged
-  fresh = jax.tree.leaves(tx.init(state["params"]))
-  for a, b, f in zip(
-    jax.tree.leaves(state["opt_state"]),
-    jax.tree.leaves(new["opt_state"]),
-    fresh,
+  # The optimizer's state is the old one or a fresh one, but for the stage's
+  # lr scale, which the optimizer's last transform holds.
+  *inner, scale = new["opt_state"]
+  assert float(scale.hyperparams["step_size"]) == np.float32(0.7)
+  *want, want_scale = tx.init(state["params"]) if reset else state["opt_state"]
+  for a, b in zip(
+    jax.tree.leaves((want, want_scale.count)),
+    jax.tree.leaves((inner, scale.count)),
     strict=True,
   ):
-    np.testing.assert_array_equal(b, f if reset else a)
+    np.testing.assert_array_equal(b, a)
   # At the last stage (data.train_hops = 4) it stays.
   assert curriculum.next_stage(config, 4, {"eval/test_k4/acc": 1.0}) is None
 

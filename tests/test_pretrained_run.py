@@ -81,7 +81,9 @@ def test_prompts_rows_pad_on_the_right_and_mask_the_padding():
 
   c = config("llama", "llama_gqa")
   tok = (FIXTURES / "llama_gqa" / "tokenizer.json").read_text()
-  task = prompts.task(c, tok, ["how many apples", "she has ten apples and two boxes"])
+  task = prompts.lm_data(
+    c, tok, ["how many apples", "she has ten apples and two boxes"]
+  )
   (batch,), n = prompts.batches(task, ["apples", "she has ten apples"], 4)
   assert n == 2 and batch["inputs"].shape == (2, 4)  # <s> + 4 words, less one
   np.testing.assert_array_equal(batch["real"][0], [True, True, False, False])

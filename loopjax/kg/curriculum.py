@@ -1,9 +1,9 @@
 """The hop curriculum of k-hop chains runs: stages, their data, when to advance.
 
 Stage k trains on atomic facts and chains of <= k hops. The stage lives in the
-train state (`state["stage"]`, which scales the learning rate in the jitted
-step) and in the data iterator's checkpointed state, so a resumed run rebuilds
-the stage's split before seeking in it.
+train state (`state["stage"]`; its learning-rate scale in the optimizer's
+state, `enter`) and in the data iterator's checkpointed state, so a resumed
+run rebuilds the stage's split before seeking in it.
 """
 
 import jax.numpy as jnp
@@ -69,13 +69,24 @@ def next_stage(config, stage: int, metrics: dict) -> int | None:
   return None
 
 
+def lr_scale(config, stage: int):
+  """The updates' scale in `stage`: lr_decay per stage passed, >= lr_min / lr."""
+  cur = config.train.curriculum
+  scale = jnp.float32(cur.lr_decay) ** jnp.int32(stage - cur.start)
+  return jnp.maximum(scale, cur.lr_min / config.train.lr)
+
+
 def enter(state, stage: int, tx, config):
-  """The train state for a new stage: its number (which scales the lr in the
-  step) and, with `reset_optimizer`, a fresh optimizer state."""
-  state = state | {"stage": jnp.int32(stage)}
+  """The train state for a new stage: its number, a fresh optimizer state with
+  `reset_optimizer`, and the stage's `lr_scale` in the optimizer's last
+  transform (`state.make_optimizer`): the jitted step knows no stages."""
+  opt_state = state["opt_state"]
   if config.train.curriculum.reset_optimizer:
-    state["opt_state"] = tx.init(state["params"])
-  return state
+    opt_state = tx.init(state["params"])
+  *inner, scale = opt_state
+  hyper = scale.hyperparams | {"step_size": lr_scale(config, stage)}
+  opt_state = (*inner, scale._replace(hyperparams=hyper))
+  return state | {"stage": jnp.int32(stage), "opt_state": opt_state}
 
 
 def stages_summary(phases: dict, config) -> str:

@@ -1,5 +1,5 @@
 """The knowledge-graph families: 2-hop composition (grokking phases) and k-hop
-chains (an optional hop curriculum). `loopjax.task` finds them by name."""
+chains (an optional hop curriculum). task.py finds them by name."""
 
 import numpy as np
 
@@ -44,7 +44,7 @@ class _KnowledgeGraph:
 
   def sample(self, config, workdir, prompt: str, **kw) -> str:
     raise ConfigError(
-      f"--mode=sample: needs a language-model run (data.task lm); got {self.name!r}"
+      f"--mode=sample: needs a language-model run; this one is {self.name!r}"
     )
 
   def without_examples(self, config):

@@ -59,7 +59,7 @@ class LmEvaluator:
 
   def __init__(self, graphdef, config, task, mesh=None, param_shardings=None):
     self.R, self.depths = config.model.num_loops, depths(config)
-    self.task, self.seq_len = task, task.seq_len
+    self.data, self.seq_len = task, task.seq_len
     n = task.num_windows("validation")
     limit = config.data.valid_sequences
     self.windows = np.arange(min(n, limit) if limit else n)
@@ -87,7 +87,7 @@ class LmEvaluator:
       self._put = lambda b: sharding.global_from_full(b, batch_sharding)
 
   def _batches(self):
-    stream, B = self.task.streams["validation"], self.batch_size
+    stream, B = self.data.streams["validation"], self.batch_size
     for start in range(0, len(self.windows), B):
       idx = self.windows[start : start + B]
       real = len(idx)

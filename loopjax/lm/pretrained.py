@@ -39,7 +39,7 @@ def prepare(config, workdir):
   workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
   _, _, cfg, vocab_size, _ = _shape(config)
-  task = prompts_lib.task(config, tokenizer(config, vocab_size), prompts)
+  task = prompts_lib.lm_data(config, tokenizer(config, vocab_size), prompts)
   h, m = config.analyze.halting, config.model
   names = config_lib.analyses(config)
   if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
@@ -60,7 +60,7 @@ def analyze(config, workdir) -> list[Path]:
   on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
   baseline = _baseline_config(config)
   task, prompts = prepare(config, workdir)
-  base_task = baseline and prompts_lib.task(baseline, tokenizer(baseline), prompts)
+  base_task = baseline and prompts_lib.lm_data(baseline, tokenizer(baseline), prompts)
   cfg, model = restore.from_hf_dir(config)  # every tensor checked: then the record
   write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"

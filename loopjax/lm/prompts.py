@@ -63,7 +63,7 @@ def read(source: str, field: str) -> list[str]:
   return prompts
 
 
-def task(config, tokenizer: str, prompts: list[str]) -> lm.LmData:
+def lm_data(config, tokenizer: str, prompts: list[str]) -> lm.LmData:
   """The prompts as a language-model task: its tokenizer and specials, and
   a fingerprint of tokenizer and prompts (analyses record it)."""
   data = lm.without_streams(config.data, tokenizer)

@@ -1,5 +1,5 @@
 """The language-model family: next-token loss on packed text, validation loss
-per iteration count. `loopjax.task` finds it by name."""
+per iteration count. task.py finds it by name."""
 
 import numpy as np
 
