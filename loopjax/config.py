@@ -3,44 +3,19 @@
 Experiment files under `experiments/` start from `base()` and set what their
 paper's hyperparameter table says. `validate` runs before anything compiles and
 raises `ConfigError` with one line naming the field and what is allowed; each
-field is checked here, once (what only the data or the devices can tell is
-checked where they are loaded: `curriculum.check_task`, `sharding.run_mesh`).
+field is checked once: a field alone by its table (field_rules.py), one a task
+family reads by the family's rules (task_checks.py), the fields that depend on
+each other here (what only the data or the devices can tell is checked where
+they are loaded: the family's `load`, `sharding.run_mesh`).
 """
 
 import json
-import math
 
 import ml_collections
 
-from loopjax import task_checks
-from loopjax.analysis import (
-  HALTING_CRITERIA,
-  HALTING_LTG,
-  HALTING_START,
-  LM_STREAMED,
-  MECHANISTIC,
-)
+from loopjax import field_rules, task_checks
+from loopjax.analysis import HALTING_LTG, LM_STREAMED, MECHANISTIC
 from loopjax.errors import ConfigError
-
-ENUMS = {
-  "data.task": tuple(task_checks.RULES),
-  "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
-  "model.injection": ("none", "add", "concat"),
-  "model.norm_position": ("pre", "sandwich", "residual", "post", "res_post"),
-  "model.mlp_type": ("gelu", "swiglu"),
-  "model.rope_pairing": ("half", "interleaved"),
-  "model.norm_type": ("layernorm", "rmsnorm"),
-  "model.init_state": ("embedding", "zeros", "random", "trunc_normal"),
-  "model.remat": ("none", "full", "dots"),
-  "model.dtype": ("float32", "bfloat16"),
-  "train.schedule": ("constant", "cosine"),
-  "train.supervise": ("last", "from_hops", "atomic_every"),
-  "train.decay": ("matrices", "all"),
-  "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
-  "analyze.halting.start": HALTING_START,
-}
-# Tuple fields whose every name must be one the owning module knows.
-NAME_LISTS = {"analyze.halting.criteria": HALTING_CRITERIA}
 
 
 def base() -> ml_collections.ConfigDict:
@@ -230,127 +205,10 @@ def analyses(c) -> tuple[str, ...]:
   return tuple(c.analyze.names) or task_checks.RULES[c.data.task].default_analyses
 
 
-def llama3_ok(v) -> bool:
-  """`model.rope_llama3` is off, or four finite numbers its blend can use."""
-  if len(v) == 0:
-    return True
-  numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in v)
-  if len(v) != 4 or not numbers or not all(math.isfinite(x) for x in v):
-    return False
-  factor, low, high, context = v
-  return factor >= 1 and 0 < low < high and context >= 1
-
-
-# Simple bounds, one table: field -> (holds for a good value, what is allowed).
-_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
-_AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
-_UNIT = (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
-_HALF_OPEN_UNIT = (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
-_BOUNDS = {
-  **dict.fromkeys(
-    (
-      "data.num_entities",
-      "data.num_relations",
-      "data.out_degree",
-      "data.probe_size",
-      "data.atomic_repeat",
-      "model.d_model",
-      "model.num_heads",
-      "model.mlp_ratio",
-      "model.scan_unroll",
-      "model.num_layers",
-      "model.num_loops",
-      "train.batch_size",
-      "train.num_steps",
-      "eval.batch_size",
-      "checkpoint.every",
-      "checkpoint.keep",
-      "log_every",
-      "analyze.max_depth",
-      "analyze.batch_size",
-      "analyze.lm_windows",
-      "analyze.halting.r_min",
-      "analyze.halting.r_max",
-    ),
-    _AT_LEAST_1,
-  ),
-  **dict.fromkeys(
-    (
-      "seed",
-      "data.seed",
-      "model.num_prelude",
-      "model.num_coda",
-      "model.num_kv_heads",
-      "model.mlp_hidden",
-      "train.warmup_steps",
-      "checkpoint.keep_every",
-      "analyze.halting.seq_len",
-    ),
-    _AT_LEAST_0,
-  ),
-  **dict.fromkeys(("data.ood_ratio", "data.p_test_id"), _UNIT),
-  **dict.fromkeys(("train.b1", "train.b2", "train.label_smoothing"), _HALF_OPEN_UNIT),
-  "data.phi": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
-  "train.lr": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
-  "train.weight_decay": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
-  "train.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
-  "train.backprop_depth": (lambda v: v >= 0, "must be >= 0 (0: all iterations)"),
-  "analyze.tol": (lambda v: v > 0, "must be > 0"),
-  "analyze.fp_share": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
-  "analyze.cycle_margin": (lambda v: v >= 0, "must be >= 0"),
-  "analyze.sink_threshold": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-  "model.init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
-  "model.embed_init_std": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
-  "model.out_init_scale": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
-  "model.norm_eps": (lambda v: 0 < v < 1, "must be in (0, 1)"),
-  "model.rope_theta": (lambda v: v > 1 and math.isfinite(v), "must be > 1"),
-  "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
-  "model.init_state_std": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
-  "model.rope_llama3": (
-    llama3_ok,
-    "must be () or (factor >= 1, low_freq_factor > 0, high_freq_factor > "
-    "low_freq_factor, original context length >= 1)",
-  ),
-  "train.eps": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
-  "mesh.devices": (lambda v: v >= 0, "must be >= 0 (0 = all)"),
-  "eval_every": (lambda v: v >= 0, "must be >= 0 (0: no in-loop evaluation)"),
-}
-# Checked only where the field is used: sampled depth (and, in their modules,
-# chains runs and language models).
-_DEPTH_BOUNDS = {
-  "train.depth.mean": (lambda v: math.isfinite(v) and v > 0, "must be > 0"),
-  "train.depth.sigma": (lambda v: math.isfinite(v) and v >= 0, "must be >= 0"),
-}
-
-
-def _get(c, path):
-  for k in path.split("."):
-    c = c[k]
-  return c
-
-
-def check(c, table: dict) -> None:
-  """Raises ConfigError for the first field of `table` whose value fails."""
-  for field, (ok, allowed) in table.items():
-    if not ok(_get(c, field)):
-      raise ConfigError(f"{field}: {allowed}; got {_get(c, field)!r}")
-
-
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad field."""
-  for field, allowed in ENUMS.items():
-    if _get(c, field) not in allowed:
-      raise ConfigError(
-        f"{field}: must be one of {', '.join(allowed)}; got {_get(c, field)!r}"
-      )
-  for field, allowed in NAME_LISTS.items():
-    for name in _get(c, field):
-      if name not in allowed:
-        raise ConfigError(
-          f"{field}: each must be one of {', '.join(allowed)}; got {name!r}"
-        )
+  field_rules.check_fields(c)
   d, m, t, a = c.data, c.model, c.train, c.analyze
-  check(c, _BOUNDS)
   if m.init_from:
     task_checks.init_from(c)
   elif m.hf_split and not m.hf_dir:
@@ -385,7 +243,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
         f"train.depth.min: must be >= 1 and <= train.depth.max ({t.depth.max}); "
         f"got {t.depth.min}"
       )
-    check(c, _DEPTH_BOUNDS)
+    field_rules.check(c, field_rules.DEPTH_BOUNDS)
   if t.backprop_depth > 0 and m.injection == "none":
     raise ConfigError(
       "train.backprop_depth: needs model.injection add or concat (else the "

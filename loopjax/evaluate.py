@@ -5,7 +5,7 @@ evaluator does the work (kg/evaluate.py, lm/evaluate.py)."""
 import json
 from pathlib import Path
 
-from loopjax import data, restore
+from loopjax import restore
 from loopjax import task as task_lib
 from loopjax.workdir import write_atomic
 
@@ -16,7 +16,7 @@ def results(config, task, per_depth: dict, step: int) -> dict:
   return {
     "step": step,
     "depths": task_lib.for_config(config).eval_depths(config),
-    "fingerprint": data.summary(task)["fingerprint"],
+    "fingerprint": task.summary()["fingerprint"],
     "splits": per_depth,
   }
 

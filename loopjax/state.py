@@ -9,7 +9,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from loopjax import data, sharding
+from loopjax import sharding
 from loopjax.model import LoopedTransformer
 
 
@@ -72,7 +72,7 @@ def train_state(config, task, params=None):
   """(graphdef, initial train state, optimizer) for a config and its task data
   (`params`: see `init_state`); a curriculum run's state also holds its stage."""
   tx = make_optimizer(config.train)
-  model = build_model(config.model, *data.model_dims(task), config.seed)
+  model = build_model(config.model, *task.model_dims(), config.seed)
   graphdef, state = init_state(model, tx, config.seed, params)
   if config.train.curriculum.enabled:
     state["stage"] = jnp.int32(config.train.curriculum.start)
@@ -90,7 +90,7 @@ def sharded_train_state(config, task, mesh, abstract: bool = False, params=None)
   and donated."""
   tx = make_optimizer(config.train)
   abstract_model = nnx.eval_shape(
-    lambda: build_model(config.model, *data.model_dims(task), config.seed)
+    lambda: build_model(config.model, *task.model_dims(), config.seed)
   )
   graphdef = nnx.split(abstract_model, nnx.Param)[0]
 

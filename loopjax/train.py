@@ -17,7 +17,6 @@ import optax
 from jax.experimental import multihost_utils
 
 from loopjax import checkpoint, metrics, recurrence, sharding
-from loopjax import data as data_lib
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
 from loopjax.pretrained import init_from
@@ -115,7 +114,7 @@ def train_and_evaluate(config, workdir) -> dict:
   wd = Workdir(workdir)
   wd.check(config)
   task = family.load(config)  # bad data settings fail before the workdir exists
-  dataset = data_lib.summary(task)  # fingerprints every array: once
+  dataset = task.summary()  # fingerprints every array: once
   placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
   wd.check_data(dataset)
   wd.check_writable()
@@ -124,40 +123,32 @@ def train_and_evaluate(config, workdir) -> dict:
     return _train(config, family, wd, task, placement)
 
 
-def _initial_state(config, task, mesh, from_pretrained: bool):
-  """`sharded_train_state`, its params model.init_from's where asked."""
-  params = init_from.params(config, mesh) if from_pretrained else None
-  out = sharded_train_state(config, task, mesh, params=params)
-  if from_pretrained:
-    m = config.model
-    print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
-  return out
-
-
 def _train(config, family, wd: Workdir, task, placement: sharding.Placement) -> dict:
   mesh, rules, rows = placement
   mngr = wd.checkpoints(config.checkpoint)
-  # A pretrained model's params start a fresh run; a resumed one restores its
-  # own (and if none restores, starts as a fresh one does, below).
-  fresh = config.model.init_from and not mngr.all_steps()
-  graphdef, state, tx, shardings = _initial_state(config, task, mesh, fresh)
+  graphdef, abstract, tx, shardings = sharded_train_state(
+    config, task, mesh, abstract=True
+  )
+  train_iter = family.train_iterator(config, task, rows)
+  state, start = checkpoint.restore(mngr, abstract, train_iter)
+  if state is None:  # fresh, or every checkpoint set aside: model.init_from's
+    m = config.model  # params if given (a resumed run never reads them)
+    params = init_from.params(config, mesh) if m.init_from else None
+    state = sharded_train_state(config, task, mesh, params=params)[1]
+    if m.init_from:
+      print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
+  elif "stage" in state and int(state["stage"]) != train_iter.stage:
+    raise ConfigError(  # saved together: only a hand-edited checkpoint differs
+      f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
+      f"but {train_iter.stage} in the data iterator"
+    )
+  else:
+    print(f"resumed from {wd.checkpoint_dir} at step {start}")
   train_step = make_train_step(config, graphdef, tx, mesh, shardings)
   batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
   evaluator = family.evaluator(
     config, task, graphdef, mesh=mesh, shardings=shardings["params"]
   )
-  train_iter = family.train_iterator(config, task, rows)
-  restored, start = checkpoint.restore(mngr, checkpoint.abstract(state), train_iter)
-  if restored is not None:
-    state = restored
-    if "stage" in state and int(state["stage"]) != train_iter.stage:
-      raise ConfigError(  # saved together: only a hand-edited checkpoint differs
-        f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
-        f"but {train_iter.stage} in the data iterator"
-      )
-    print(f"resumed from {wd.checkpoint_dir} at step {start}")
-  elif config.model.init_from and not fresh:  # every checkpoint set aside
-    state = _initial_state(config, task, mesh, True)[1]
   start = start or 0
   if start >= config.train.num_steps:
     print(f"already trained to step {start}; nothing to do")

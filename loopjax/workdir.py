@@ -146,7 +146,7 @@ class Workdir:
       )
 
   def record(self, config, task, phases, dataset: dict) -> None:
-    """Writes config.json, dataset.json (`dataset`: `data.summary(task)`) and
+    """Writes config.json, dataset.json (`dataset`: `task.summary()`) and
     phases.json (each of `phases` null until reached), after `check_data`."""
     self.check_data(dataset)
     sizes, saved = dataset["sizes"], self.path / "dataset.json"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from experiments import sysgen
 from loopjax import config as config_lib
+from loopjax import field_rules
 from loopjax.data import kg, pipeline, tfds_kg
 from loopjax.kg.evaluate import Evaluator
 from loopjax.state import train_state
@@ -45,7 +46,7 @@ def _values(field):
       [0.0, 0.5, 1.0, 1e-9]
     )
   if isinstance(default, str):
-    allowed = config_lib.ENUMS.get(field, ())
+    allowed = field_rules.ENUMS.get(field, ())
     return st.sampled_from(allowed + ("", "grokked_json:/nonexistent")) | st.text(
       max_size=8
     )

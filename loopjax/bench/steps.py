@@ -4,7 +4,6 @@ import time
 
 import jax
 
-from loopjax import data
 from loopjax import task as task_lib
 from loopjax.bench.measure import (
   device_memory,
@@ -18,7 +17,7 @@ from loopjax.train import make_train_step
 
 def dims(config) -> tuple[int, int]:
   """(vocab size, sequence length) of the config's task, from the config alone."""
-  return data.model_dims(task_lib.for_config(config).without_examples(config))
+  return task_lib.for_config(config).without_examples(config).model_dims()
 
 
 def jax_step(config) -> dict:

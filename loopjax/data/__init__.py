@@ -10,9 +10,7 @@ __all__ = [
   "Vocab",
   "fingerprint",
   "load",
-  "model_dims",
   "probes",
-  "summary",
   "train_split",
 ]
 
@@ -30,21 +28,3 @@ def load(data_cfg) -> TaskData | lm.LmData:
       f"data.data_dir: cannot prepare the dataset in {data_cfg.data_dir!r} "
       f"({e.strerror or e}); pick a writable directory"
     ) from e
-
-
-def summary(task) -> dict:
-  """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
-  if isinstance(task, lm.LmData):
-    return task.summary()
-  return {
-    "fingerprint": fingerprint(task),
-    "sizes": {k: len(v["target"]) for k, v in task.splits.items()},
-    "vocab_size": task.vocab.vocab_size,
-  }
-
-
-def model_dims(task) -> tuple[int, int]:
-  """(vocab size, longest sequence) the model is built for."""
-  if isinstance(task, lm.LmData):
-    return task.vocab_size, task.seq_len
-  return task.vocab.vocab_size, task.max_hops + 1

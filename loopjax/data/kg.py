@@ -91,6 +91,18 @@ class TaskData:
     """The longest chain the task holds (2 for composition)."""
     return self.splits[next(iter(self.splits))]["inputs"].shape[1] - 1
 
+  def model_dims(self) -> tuple[int, int]:
+    """(vocab size, longest sequence) the model is built for."""
+    return self.vocab.vocab_size, self.max_hops + 1
+
+  def summary(self) -> dict:
+    """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
+    return {
+      "fingerprint": fingerprint(self),
+      "sizes": {k: len(v["target"]) for k, v in self.splits.items()},
+      "vocab_size": self.vocab.vocab_size,
+    }
+
 
 def without_examples(data_cfg) -> TaskData:
   """A config's task with its vocabulary and chain length but no examples:

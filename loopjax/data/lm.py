@@ -48,14 +48,15 @@ class LmData:
   fingerprint: str
   task: str = "lm"
 
-  @property
-  def max_len(self) -> int:
-    return self.seq_len
+  def model_dims(self) -> tuple[int, int]:
+    """(vocab size, longest sequence) the model is built for."""
+    return self.vocab_size, self.seq_len
 
   def num_windows(self, split: str) -> int:
     return max((len(self.streams[split]["tokens"]) - 1) // self.seq_len, 0)
 
   def summary(self) -> dict:
+    """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
     return {
       "fingerprint": self.fingerprint,
       "sizes": {k: len(v["tokens"]) for k, v in self.streams.items()},

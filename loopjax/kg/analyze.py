@@ -51,7 +51,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   out_dir.mkdir(parents=True, exist_ok=True)
   head = {
     "step": step,
-    "fingerprint": data.fingerprint(task),
+    "fingerprint": task.summary()["fingerprint"],
     "train_depths": train_depths(config),
     "main_split": main_split,
   }

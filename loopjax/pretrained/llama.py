@@ -26,8 +26,8 @@ across heads before RoPE (`qk_norm`: q_norm / k_norm).
 import ml_collections
 import numpy as np
 
-from loopjax.config import llama3_ok
 from loopjax.errors import ConfigError
+from loopjax.field_rules import llama3_ok
 from loopjax.pretrained.hf_dir import check_config
 
 # model_type -> (architecture, norm_position, the two norms' names, qk_norm)
