@@ -160,23 +160,49 @@ def batch_split(mesh, rules) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def process_rows(mesh, rules, batch_size: int) -> tuple[int, int]:
-  """(block, blocks): this process feeds rows [block * n, (block + 1) * n) of
-  every global batch, n = batch_size / blocks. Processes whose devices hold the
-  same rows (a mesh axis outside the batch rule spanning processes) get the
-  same block, so they feed the same examples."""
-  index_map = batch_sharding(mesh, rules).addressable_devices_indices_map((batch_size,))
-  spans = sorted({s[0].indices(batch_size)[:2] for s in index_map.values()})
-  lo, hi = spans[0][0], spans[-1][1]
-  if (
-    sum(b - a for a, b in spans) != hi - lo or batch_size % (hi - lo) or lo % (hi - lo)
-  ):
-    raise ConfigError(
-      f"mesh: process {jax.process_index()}'s devices hold rows {spans} of the "
-      "batch, not one block; use a mesh whose data and fsdp axes group each "
-      "process's devices"
+def row_groups(
+  mesh, rules, batch_size: int, process_of=lambda d: d.process_index
+) -> dict[int, tuple[int, int]]:
+  """{process: (group, groups)}: the processes whose devices hold the same rows
+  of a global batch form a group (replicas over a mesh axis outside the batch
+  rule); group g of G feeds its B / G rows, wherever they lie in the batch.
+
+  A process's rows need not be one block: `jax.make_mesh` orders a multi-host
+  TPU slice's chips by their place in the torus, so one host's chips may hold
+  rows (0, 4), (4, 8), (24, 28) and (60, 64). They are fed in row order
+  (`global_batch`). Groups are numbered by their first row, so a process whose
+  rows are one block [k n, (k + 1) n) feeds group k."""
+  held: dict[int, list] = {}
+  index_map = batch_sharding(mesh, rules).devices_indices_map((batch_size,))
+  for device, index in index_map.items():
+    held.setdefault(process_of(device), []).append(index[0].indices(batch_size)[:2])
+  spans = {p: _merged(rows) for p, rows in held.items()}
+  groups = sorted(set(spans.values()))
+  rows = sorted(r for g in groups for a, b in g for r in range(a, b))
+  sizes = {sum(b - a for a, b in g) for g in groups}
+  if rows != list(range(batch_size)) or len(sizes) != 1:
+    raise ConfigError(  # a non-uniform sharding: no mesh make_mesh builds
+      f"mesh: the processes' devices hold overlapping or unequal rows of the "
+      f"batch ({sorted(spans.items())[:4]}); use a mesh whose data and fsdp "
+      "axes split the batch evenly"
     )
-  return lo // (hi - lo), batch_size // (hi - lo)
+  return {p: (groups.index(g), len(groups)) for p, g in spans.items()}
+
+
+def _merged(spans) -> tuple[tuple[int, int], ...]:
+  """Row spans, sorted, adjacent ones joined."""
+  out = []
+  for a, b in sorted(set(spans)):
+    if out and out[-1][1] == a:
+      out[-1] = (out[-1][0], b)
+    else:
+      out.append((a, b))
+  return tuple(out)
+
+
+def process_rows(mesh, rules, batch_size: int) -> tuple[int, int]:
+  """(group, groups) of this process (`row_groups`)."""
+  return row_groups(mesh, rules, batch_size)[jax.process_index()]
 
 
 def batch_sharding(mesh, rules) -> NamedSharding:
@@ -185,7 +211,8 @@ def batch_sharding(mesh, rules) -> NamedSharding:
 
 
 def global_batch(batch: dict, sharding: NamedSharding, batch_size: int) -> dict:
-  """One global array per column from this process's rows (its block)."""
+  """One global array per column from this process's rows: its devices' slices
+  of the batch in row order, one or several spans (`row_groups`)."""
   return jax.tree.map(
     lambda x: jax.make_array_from_process_local_data(
       sharding, np.asarray(x), (batch_size, *np.shape(x)[1:])
@@ -229,8 +256,8 @@ def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
 
 
 class Placement(NamedTuple):
-  """Where a run computes: its mesh, the logical-axis rules, and the block of
-  each global batch this process feeds (`process_rows`)."""
+  """Where a run computes: its mesh, the logical-axis rules, and the group of
+  each global batch's rows this process feeds (`process_rows`)."""
 
   mesh: jax.sharding.Mesh
   rules: tuple
@@ -239,7 +266,7 @@ class Placement(NamedTuple):
 
 def run_mesh(config) -> Placement:
   """This run's placement; the batch must split evenly over the mesh axes
-  examples are split over, in blocks of whole processes."""
+  examples are split over."""
   mesh, rules = make_mesh(config.mesh), tuple(config.sharding.rules)
   n, B = batch_split(mesh, rules), config.train.batch_size
   if B % n:

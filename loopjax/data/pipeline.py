@@ -37,9 +37,10 @@ def train_iterator(
   atomic_repeat: int = 1,
   shard: tuple[int, int] = (0, 1),
 ):
-  """Endless shuffled batches of block `shard[0]` of `shard[1]` equal blocks of
-  each global batch (a new order each epoch); processes holding the same rows
-  of the mesh take the same block (`sharding.process_rows`).
+  """Endless shuffled batches of group `shard[0]` of `shard[1]`: the rows of
+  each global batch one group of processes feeds (a new order each epoch);
+  processes holding the same rows of the mesh are one group
+  (`sharding.row_groups`).
 
   An element of the grain dataset is a whole batch: epoch e's permutation is
   drawn once (seeded by (seed, e)) and batch j is one slice and one gather, so a
@@ -58,8 +59,9 @@ def train_iterator(
 
 
 def shuffled_batches(rows, batch_size: int, seed: int, gather, shard=(0, 1)):
-  """Endless batches `gather(rows[...])` of block `shard[0]` of `shard[1]`, in
-  a new seeded order each epoch; a grain iterator with get_state/set_state."""
+  """Endless batches `gather(rows[...])` of group `shard[0]` of `shard[1]`
+  (every group's examples its own: rows[group::groups]), in a new seeded order
+  each epoch; a grain iterator with get_state/set_state."""
   i_proc, n_proc = shard
   B = batch_size // n_proc  # sharding.process_rows checked the division
   epoch = rows[i_proc::n_proc]
