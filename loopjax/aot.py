@@ -1,15 +1,22 @@
-"""Ahead-of-time check of a config on a target mesh, on this machine's CPU.
+"""Ahead-of-time check of a config on a target mesh, from this machine's CPU.
 
-  python -m loopjax.aot --config=experiments/sysgen.py:paper --devices=64 \\
+  python -m loopjax.aot --config=experiments/lm.py:gpu --target=tpu:v5e:4x4 \
+      --config.mesh.data=4 --config.mesh.fsdp=4
+  python -m loopjax.aot --config=experiments/sysgen.py:paper --devices=64 \
       --config.mesh.data=8 --config.mesh.fsdp=4 --config.mesh.tensor=2
 
-Forces `--devices` CPU devices, builds the mesh from the config, and lowers and
-compiles the train step for it from abstract shapes (nothing is initialized,
-no data are generated: the vocabulary and sequence length come from the
-config). Mesh, rule and shape errors show here instead of on pod time; the
-report gives each device's memory for the step (arguments = its shard of the
-state and batch, temporaries, outputs; XLA:CPU's accounting, a guide for an
-accelerator's) and the specs of the largest parameters.
+`--target=tpu:GEN:AxB[:SLICES]` compiles for a TPU slice's chips with libtpu
+(the `tpu` extra; loopjax/targets.py), with the kernels the slice would run;
+without it, for `--devices` forced CPU devices (XLA:CPU's kernels and memory
+accounting, a guide for an accelerator's). The mesh is built from the config,
+and the train step lowered and compiled from abstract shapes (nothing is
+initialized, no data are generated: the vocabulary and sequence length come
+from the config). Mesh, rule and shape errors show here instead of on pod
+time. The report, per device: memory (arguments = its shard of the state and
+batch, temporaries, outputs, peak) against the chip's, compile time, the
+collectives in the compiled HLO, XLA's warnings (an involuntary
+rematerialization fails the check unless --allow_remat), and on a target the
+step time the chips' peak FLOP/s and HBM bandwidth bound it to.
 
 A pretrained model (`model.hf_dir`, of which only config.json is read:
 experiments/hf_shapes holds the published models' shapes) instead compiles
@@ -26,7 +33,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 config_flags.DEFINE_config_file("config", None, "Experiment config file[:variant].")
-flags.DEFINE_integer("devices", 8, "CPU devices to force (the target mesh's size).")
+flags.DEFINE_integer("devices", 8, "CPU devices to force (without --target).")
+flags.DEFINE_string(
+  "target", "", "tpu:GEN:AxB[:SLICES], e.g. tpu:v5e:4x4: a TPU slice's chips."
+)
+flags.DEFINE_bool(
+  "allow_remat", False, "Pass a compile in which XLA rematerializes a tensor whole."
+)
+flags.DEFINE_string("json", "", "Also write the report to this file.")
 FLAGS = flags.FLAGS
 
 
@@ -44,7 +58,7 @@ def _batch(family, config, task, B: int, put) -> dict:
   }
 
 
-def check_pretrained(config, num_devices: int) -> dict:
+def check_pretrained(config, devices) -> dict:
   """A pretrained model's (`model.hf_dir`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
   recurrences over analyze.batch_size prompts of data.seq_len tokens, and
@@ -59,8 +73,7 @@ def check_pretrained(config, num_devices: int) -> dict:
   from loopjax.pretrained import load
 
   m, rules = config.model, tuple(config.sharding.rules)
-  config.mesh.devices = num_devices
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = sharding.make_mesh(config.mesh, devices)
   cfg, model = load.abstract(
     m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
@@ -98,72 +111,150 @@ def check_pretrained(config, num_devices: int) -> dict:
   return out
 
 
-def check(config, num_devices: int) -> dict:
-  """Lowers and compiles the train step; returns the memory report."""
+def check(config, devices, target=None) -> dict:
+  """Lowers and compiles the train step for a mesh over `devices`; returns
+  the report (`target`: the chips' figures, if they are a target's)."""
+  import time
+
   import jax
   import numpy as np
 
+  from loopjax import compiled as compiled_lib
   from loopjax import sharding, state, train
   from loopjax import task as task_lib
+  from loopjax.bench import measure
 
   family = task_lib.for_config(config)
   task = family.without_examples(config)
-  config.mesh.devices = num_devices  # the target's, whatever the variant says
-  mesh = sharding.run_mesh(config).mesh
+  mesh = sharding.run_mesh(config, devices).mesh
   graphdef, abstract, tx, shardings = state.sharded_train_state(
     config, task, mesh, abstract=True
   )
   step = train.make_train_step(config, graphdef, tx, mesh, shardings)
   B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
   batch = _batch(family, config, task, B, put)
-  compiled = step.lower(abstract, batch).compile()
-  mem = compiled.memory_analysis()
+  t = time.perf_counter()
+  with compiled_lib.logged() as log:
+    compiled = step.lower(abstract, batch).compile()
   params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
   largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
-  return {
+  report = {
+    "target": target.name if target else f"cpu:{len(devices)}",
     "mesh": dict(mesh.shape),
-    "arguments": mem.argument_size_in_bytes,
-    "temporaries": mem.temp_size_in_bytes,
-    "outputs": mem.output_size_in_bytes,
+    "compile_s": time.perf_counter() - t,
+    "memory": compiled_lib.memory(compiled),
+    "collectives": compiled_lib.collectives(compiled.as_text()),
+    "rematerialized": [x for x in log if compiled_lib.REMAT in x],
     "largest": [
       (jax.tree_util.keystr(path), x.shape, tuple(x.sharding.spec))
       for path, x in largest
     ],
   }
+  if target is None:
+    return report
+  V, T = task.model_dims()
+  flops = measure.model_flops(config, T, V) / len(devices)  # per device
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  moved = float(cost.get("bytes accessed", 0.0))
+  bound = {
+    "compute_s": flops / target.peak_flops_per_device,
+    "hbm_s": moved / target.hbm_bytes_per_s_per_device,
+  }
+  return report | {
+    "capacity": target.bytes_per_device,
+    "model_flops_per_device": flops,
+    "xla_bytes_accessed": moved,
+    "step_s_bound": bound,
+    "mfu_bound": bound["compute_s"] / max(bound.values()),
+  }
+
+
+def _table(report: dict) -> list[str]:
+  """The train step's report as lines."""
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  mem, cap = report["memory"], report.get("capacity")
+  where = f"{report['target']} ({'XLA:CPU' if cap is None else 'compiled for it'})"
+  out = [
+    f"compiled the train step for mesh {mesh} on {where} in "
+    f"{report['compile_s']:.1f} s",
+    "memory per device:",
+  ]
+  out += [f"  {k:<12} {_gib(mem[k])}" for k in mem]
+  if cap is not None:
+    verdict = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
+    out.append(
+      f"  {'capacity':<12} {_gib(cap)}: {verdict}, headroom {_gib(cap - mem['peak'])}"
+    )
+  coll = report["collectives"]
+  out.append(
+    "collectives per step: "
+    + (
+      ", ".join(
+        f"{k} {v['count']} ({v['bytes'] / 2**20:.1f} MiB)" for k, v in coll.items()
+      )
+      or "none"
+    )
+  )
+  if cap is not None:
+    b = report["step_s_bound"]
+    out.append(
+      f"step time bound (model FLOPs at peak; XLA's bytes, a rolled scan's body "
+      f"counted once): compute {b['compute_s'] * 1e3:.2f} ms, HBM "
+      f"{b['hbm_s'] * 1e3:.2f} ms: MFU at most {report['mfu_bound']:.0%}"
+    )
+  if n := len(report["rematerialized"]):
+    out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
+  out.append("largest parameters: shape -> spec")
+  out += [f"  {name:<36} {shape} -> {spec}" for name, shape, spec in report["largest"]]
+  return out
 
 
 def main(argv):
   del argv
+  import json
+
+  import jax
+
   from loopjax import config as config_lib
+  from loopjax import targets
   from loopjax.errors import ConfigError, exit_with
 
+  # A cached executable skips the compile and with it XLA's warnings and time.
+  jax.config.update("jax_enable_compilation_cache", False)
   config = FLAGS.config
   try:
     config_lib.validate(config)
+    target = targets.tpu(FLAGS.target) if FLAGS.target else None
+    devices = target.devices if target else jax.devices()
     if config.model.hf_dir:
-      report = check_pretrained(config, FLAGS.devices)
+      report = check_pretrained(config, devices)
     else:
-      report = check(config, FLAGS.devices)
+      report = check(config, devices, target)
   except ConfigError as e:
     exit_with(str(e))
-  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(report, f, indent=2, default=str)
   if config.model.hf_dir:
+    mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
     print(
       f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
       f"{config.model.dtype}, batch {report['batch'][0]} x {report['batch'][1]} "
-      f"tokens, mesh {mesh} ({FLAGS.devices} CPU devices)"
+      f"tokens, mesh {mesh} ({len(devices)} {FLAGS.target or 'CPU'} devices)"
     )
-    print("memory per device (XLA:CPU): arguments, temporaries, outputs")
+    print("memory per device: arguments, temporaries, outputs")
     for name, mem in report["passes"].items():
       print(f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in mem))
     return
-  print(f"compiled the train step for mesh {mesh} ({FLAGS.devices} CPU devices)")
-  print("memory per device (XLA:CPU):")
-  for k in ("arguments", "temporaries", "outputs"):
-    print(f"  {k:<12} {_gib(report[k])}")
-  print("largest parameters: shape -> spec")
-  for name, shape, spec in report["largest"]:
-    print(f"  {name:<36} {shape} -> {spec}")
+  print("\n".join(_table(report)))
+  if report["rematerialized"] and not FLAGS.allow_remat:
+    exit_with(
+      f"XLA rematerialized {len(report['rematerialized'])} tensor(s) whole to "
+      "reshard them (its warnings above); change the mesh or sharding rules, or "
+      "pass --allow_remat",
+      code=1,
+    )
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def base() -> ml_collections.ConfigDict:
     ),
   )
 
-  # Grokking phase thresholds (loopjax/analysis/grokking.py): accuracy on
+  # Grokking phase thresholds (loopjax/kg/grokking.py): accuracy on
   # train_inferred, test_inferred_id and test_inferred_ood.
   c.phases = dict(memorize=0.99, id=0.9, ood=0.9)
   c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only

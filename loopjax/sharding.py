@@ -12,6 +12,7 @@ Shardings are jax's own (`jax.jit` in/out shardings, `NamedSharding`,
 """
 
 import contextlib
+import contextvars
 import math
 from typing import NamedTuple
 
@@ -26,6 +27,7 @@ from loopjax.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "tensor")
 _NO_MESH = jax.sharding.AbstractMesh((), ())
+_PLATFORM = contextvars.ContextVar("platform", default=None)
 
 
 def initialize(
@@ -228,8 +230,19 @@ def active(mesh, rules):
   jitted functions themselves, so a compiled step never depends on where it is
   called from; mesh None: nothing is constrained, whatever the caller set."""
   abstract = _NO_MESH if mesh is None else mesh.abstract_mesh
-  with jax.sharding.use_abstract_mesh(abstract), nnx.logical_axis_rules(tuple(rules)):
-    yield
+  token = _PLATFORM.set(None if mesh is None else mesh.devices.flat[0].platform)
+  try:
+    with jax.sharding.use_abstract_mesh(abstract), nnx.logical_axis_rules(tuple(rules)):
+      yield
+  finally:
+    _PLATFORM.reset(token)
+
+
+def platform() -> str:
+  """The platform being compiled for: the active mesh's devices' (a TPU slice's
+  compile-only chips, from a CPU host), else JAX's default backend. Kernels
+  are chosen by this, never by the host the code happens to run on."""
+  return _PLATFORM.get() or jax.default_backend()
 
 
 def constrain(x, logical):
@@ -264,10 +277,10 @@ class Placement(NamedTuple):
   rows: tuple[int, int]
 
 
-def run_mesh(config) -> Placement:
-  """This run's placement; the batch must split evenly over the mesh axes
-  examples are split over."""
-  mesh, rules = make_mesh(config.mesh), tuple(config.sharding.rules)
+def run_mesh(config, devices=None) -> Placement:
+  """This run's placement (`devices`: see `make_mesh`); the batch must split
+  evenly over the mesh axes examples are split over."""
+  mesh, rules = make_mesh(config.mesh, devices), tuple(config.sharding.rules)
   n, B = batch_split(mesh, rules), config.train.batch_size
   if B % n:
     raise ConfigError(

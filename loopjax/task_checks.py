@@ -119,7 +119,7 @@ def lm(c) -> None:
 
 
 def pretrained(c) -> None:
-  """The fields a pretrained model's run reads (`loopjax.pretrained.run`)."""
+  """The fields a pretrained model's run reads (`loopjax.lm.pretrained`)."""
   d, m = c.data, c.model
   if not m.hf_dir:
     raise ConfigError(

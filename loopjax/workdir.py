@@ -133,7 +133,7 @@ class Workdir:
 
   def check_data(self, dataset: dict) -> None:
     """Raises ConfigError if the workdir's run was trained on other data (a
-    changed corpus, tokenizer or generator) than `dataset` (data.summary);
+    changed corpus, tokenizer or generator) than `dataset` (`task.summary()`);
     touches nothing."""
     saved = self.path / "dataset.json"
     if (

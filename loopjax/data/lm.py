@@ -138,7 +138,7 @@ def embeds(n: int, rows: int) -> bool:
   """Whether an embedding of `rows` is one for a tokenizer of n tokens: as
   many rows, or padded up to a multiple of PAD_MULTIPLE (a larger gap is a
   tokenizer from another model). Training checks this; running a pretrained
-  model needs only rows >= n (`pretrained.prompts`)."""
+  model needs only rows >= n (`lm.prompts`)."""
   return n <= rows <= padded(n)
 
 

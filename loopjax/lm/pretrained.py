@@ -17,29 +17,16 @@ from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
 from loopjax.lm import prompts as prompts_lib
 from loopjax.pretrained import llama
-from loopjax.pretrained.load import resolve, split
+from loopjax.pretrained.load import resolve
 from loopjax.workdir import Workdir, write_atomic
-
-
-def _shape(config):
-  """`resolve` of `model.hf_dir` from its config.json alone (no weight read)."""
-  m = config.model
-  return resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)
-
-
-def tokenizer(config, vocab_size: int | None = None) -> str:
-  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
-  config.json gives (`vocab_size`, if already read; the weights not read)."""
-  vocab_size = _shape(config)[3] if vocab_size is None else vocab_size
-  return prompts_lib.tokenizer_json(config.model.hf_dir, vocab_size)
 
 
 def prepare(config, workdir):
   """(task, prompts): the directory's config, tokenizer and prompts and the
   workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
-  _, _, cfg, vocab_size, _ = _shape(config)
-  task = prompts_lib.lm_data(config, tokenizer(config, vocab_size), prompts)
+  _, _, cfg, vocab_size, _ = prompts_lib.shape(config)
+  task = prompts_lib.lm_data(config, prompts_lib.tokenizer(config, vocab_size), prompts)
   h, m = config.analyze.halting, config.model
   names = config_lib.analyses(config)
   if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
@@ -60,7 +47,9 @@ def analyze(config, workdir) -> list[Path]:
   on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
   baseline = _baseline_config(config)
   task, prompts = prepare(config, workdir)
-  base_task = baseline and prompts_lib.lm_data(baseline, tokenizer(baseline), prompts)
+  base_task = baseline and prompts_lib.lm_data(
+    baseline, prompts_lib.tokenizer(baseline), prompts
+  )
   cfg, model = restore.from_hf_dir(config)  # every tensor checked: then the record
   write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"

@@ -17,6 +17,7 @@ import numpy as np
 
 from loopjax.data import lm
 from loopjax.errors import ConfigError
+from loopjax.pretrained.load import resolve, split
 
 
 def tokenizer_json(hf_dir, vocab_size: int) -> str:
@@ -37,6 +38,19 @@ def tokenizer_json(hf_dir, vocab_size: int) -> str:
       "(a tokenizer from another model?)"
     )
   return text
+
+
+def shape(config):
+  """`resolve` of `model.hf_dir` from its config.json alone (no weight read)."""
+  m = config.model
+  return resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)
+
+
+def tokenizer(config, vocab_size: int | None = None) -> str:
+  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
+  config.json gives (`vocab_size`, if already read; the weights not read)."""
+  vocab_size = shape(config)[3] if vocab_size is None else vocab_size
+  return tokenizer_json(config.model.hf_dir, vocab_size)
 
 
 def read(source: str, field: str) -> list[str]:

@@ -16,7 +16,7 @@ import numpy as np
 from loopjax import restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
-from loopjax.lm import pretrained
+from loopjax.lm import prompts
 from loopjax.state import Model
 
 
@@ -81,7 +81,7 @@ def sample(
   the run's checkpoint at `step` (default: the newest) or, with
   `model.hf_dir`, by that pretrained model."""
   if config.model.hf_dir:
-    tok = pretrained.tokenizer(config)
+    tok = prompts.tokenizer(config)
     ids = lm.encode(tok, prompt)
     if not ids:
       raise ConfigError("--prompt: encodes to no token: nothing to continue")

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from loopjax import sharding
 from loopjax.model import blocked_attention
 
 
@@ -211,7 +212,7 @@ def causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS=None):
   JAX 0.10 picks no cuDNN kernel by itself, and segment masks rule out the
   fused one). CPU: `blocked_attention`, query blocks against the keys up to
   their end with a recomputing backward pass."""
-  if jax.default_backend() == "cpu":
+  if sharding.platform() == "cpu":
     return blocked_attention.causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS)
   mask = None if same_BTS is None else same_BTS[:, None]
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True)
