@@ -115,93 +115,54 @@ def train_and_evaluate(config, workdir) -> dict:
   wd.check(config)
   task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = task.summary()  # fingerprints every array: once
-  placement = sharding.run_mesh(config)  # mesh and batch errors before workdir writes
+  mesh, rules, rows = sharding.run_mesh(config)  # mesh errors before any write
   wd.check_data(dataset)
   wd.check_writable()
   with wd.exclusive("train"):
     wd.record(config, task, family.phase_names(config), dataset)
-    return _train(config, family, wd, task, placement)
-
-
-def _train(config, family, wd: Workdir, task, placement: sharding.Placement) -> dict:
-  mesh, rules, rows = placement
-  mngr = wd.checkpoints(config.checkpoint)
-  graphdef, abstract, tx, shardings = sharded_train_state(
-    config, task, mesh, abstract=True
-  )
-  train_iter = family.train_iterator(config, task, rows)
-  state, start = checkpoint.restore(mngr, abstract, train_iter)
-  if state is None:  # fresh, or every checkpoint set aside: model.init_from's
-    m = config.model  # params if given (a resumed run never reads them)
-    params = init_from.params(config, mesh) if m.init_from else None
-    state = sharded_train_state(config, task, mesh, params=params)[1]
-    if m.init_from:
-      print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
-  elif "stage" in state and int(state["stage"]) != train_iter.stage:
-    raise ConfigError(  # saved together: only a hand-edited checkpoint differs
-      f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
-      f"but {train_iter.stage} in the data iterator"
+    mngr = wd.checkpoints(config.checkpoint)
+    graphdef, abstract, tx, shardings = sharded_train_state(
+      config, task, mesh, abstract=True
     )
-  else:
-    print(f"resumed from {wd.checkpoint_dir} at step {start}")
-  train_step = make_train_step(config, graphdef, tx, mesh, shardings)
-  batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
-  evaluator = family.evaluator(
-    config, task, graphdef, mesh=mesh, shardings=shardings["params"]
-  )
-  start = start or 0
-  if start >= config.train.num_steps:
-    print(f"already trained to step {start}; nothing to do")
-    mngr.close()
-    return {}
-  writer = metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb")
-  loop = _Loop(
-    config=config,
-    family=family,
-    wd=wd,
-    train_step=lambda s, b: train_step(s, sharding.global_batch(b, batch_sharding, B)),
-    tx=tx,
-    train_iter=train_iter,
-    evaluator=evaluator,
-    mngr=mngr,
-    writer=writer,
-    step=start,
-  )
-  failure, reason = None, "stopped"
-  try:
-    writer.start(start)
-    with _Preemption() as preempt:
-      step, last = loop.run(state, preempt)
-    reason = "finished" if preempt.signal is None else "preempted"
-  except (FloatingPointError, OSError) as e:
-    failure = e
-  finally:  # an error mid-run still completes pending saves and flushes logs
-    try:
-      checkpoint.wait(mngr)
-    except checkpoint.WriteError as e:
-      failure, reason = failure or e, "stopped"
-    mngr.close()
-    writer.end(loop.step, reason)  # an evaluation job stops waiting on it
-    writer.close()
-  if failure is not None:
-    mngr.reload()  # what is on disk, not orbax's in-memory list
-    newest = mngr.latest_step()
-    raise RunStopped(
-      f"{first_line(failure)}; the run stopped. "
-      + (
-        f"Checkpoints are intact, newest: step {newest} in {wd.checkpoint_dir}"
-        if newest is not None
-        else "No checkpoint was saved."
+    train_iter = family.train_iterator(config, task, rows)
+    state, start = checkpoint.restore(mngr, abstract, train_iter)
+    if state is None:  # fresh, or every checkpoint set aside: model.init_from's
+      m = config.model  # params if given (a resumed run never reads them)
+      params = init_from.params(config, mesh) if m.init_from else None
+      state = sharded_train_state(config, task, mesh, params=params)[1]
+      if m.init_from:
+        print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
+    elif "stage" in state and int(state["stage"]) != train_iter.stage:
+      raise ConfigError(  # saved together: only a hand-edited checkpoint differs
+        f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
+        f"but {train_iter.stage} in the data iterator"
       )
-    ) from failure
-  if (line := family.finished(config, wd.phases)) is not None:
-    print(line)
-  if preempt.signal is not None:
-    print(
-      f"{preempt.signal}: saved step {step} to {wd.checkpoint_dir}; "
-      "rerun the same command to resume"
+    else:
+      print(f"resumed from {wd.checkpoint_dir} at step {start}")
+    start = start or 0
+    if start >= config.train.num_steps:
+      print(f"already trained to step {start}; nothing to do")
+      mngr.close()
+      return {}
+    train_step = make_train_step(config, graphdef, tx, mesh, shardings)
+    batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
+    loop = _Loop(
+      config=config,
+      family=family,
+      wd=wd,
+      train_step=lambda s, b: train_step(
+        s, sharding.global_batch(b, batch_sharding, B)
+      ),
+      tx=tx,
+      train_iter=train_iter,
+      evaluator=family.evaluator(
+        config, task, graphdef, mesh=mesh, shardings=shardings["params"]
+      ),
+      mngr=mngr,
+      writer=metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb"),
+      step=start,
     )
-  return last
+    return loop.run_to_end(state)
 
 
 @dataclasses.dataclass
@@ -218,6 +179,45 @@ class _Loop:
   mngr: object
   writer: metrics.Writer
   step: int  # the state's step: where a stopped run stopped
+
+  def run_to_end(self, state) -> dict:
+    """Runs, then completes pending saves and flushes logs whatever happened;
+    raises RunStopped (checkpoints intact) on a diverged or unwritable run."""
+    failure, reason, mngr, wd = None, "stopped", self.mngr, self.wd
+    try:
+      self.writer.start(self.step)
+      with _Preemption() as preempt:
+        step, last = self.run(state, preempt)
+      reason = "finished" if preempt.signal is None else "preempted"
+    except (FloatingPointError, OSError) as e:
+      failure = e
+    finally:  # an error mid-run still completes pending saves and flushes logs
+      try:
+        checkpoint.wait(mngr)
+      except checkpoint.WriteError as e:
+        failure, reason = failure or e, "stopped"
+      mngr.close()
+      self.writer.end(self.step, reason)  # an evaluation job stops waiting on it
+      self.writer.close()
+    if failure is not None:
+      mngr.reload()  # what is on disk, not orbax's in-memory list
+      newest = mngr.latest_step()
+      raise RunStopped(
+        f"{first_line(failure)}; the run stopped. "
+        + (
+          f"Checkpoints are intact, newest: step {newest} in {wd.checkpoint_dir}"
+          if newest is not None
+          else "No checkpoint was saved."
+        )
+      ) from failure
+    if (line := self.family.finished(self.config, wd.phases)) is not None:
+      print(line)
+    if preempt.signal is not None:
+      print(
+        f"{preempt.signal}: saved step {step} to {wd.checkpoint_dir}; "
+        "rerun the same command to resume"
+      )
+    return last
 
   def run(self, state, preempt):
     config = self.config

@@ -97,16 +97,17 @@ def test_stage_decays_the_lr(config, floor):
     np.testing.assert_allclose(b, max(0.5, floor) * a, rtol=1e-4, atol=1e-7)
 
 
-def test_data_must_hold_the_hops_the_config_trains_on(config):
+def test_data_must_hold_the_hops_the_config_trains_on(config, monkeypatch):
   """The papers' files fix their own hop counts; checked once loaded."""
   task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=4)
+  monkeypatch.setattr(curriculum.data, "load", lambda data_cfg: task)
   with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
-    curriculum.check_task(config, task)  # train_hops 4
+    curriculum.load(config)  # train_hops 4
   config.data.train_hops = 3
-  curriculum.check_task(config, task)
+  assert curriculum.load(config) is task
   task.splits["test_k2"] = kg.sample(task.splits["test_k2"], 0, seed=0)
   with pytest.raises(ConfigError, match=r"^train.curriculum.enabled: stage 2 adv"):
-    curriculum.check_task(config, task)
+    curriculum.load(config)
 
 
 @pytest.mark.parametrize("reset", [False, True])

@@ -13,10 +13,12 @@ from loopjax.data import pipeline
 from loopjax.errors import ConfigError
 
 
-def check_task(config, task) -> None:
-  """What validation cannot see before the data are loaded (the papers' files
-  fix their own hop counts): the hops to train on and the held-out chains each
-  curriculum stage advances on must exist."""
+def load(config):
+  """The chains' data (`data.load`), checked for what validation cannot see
+  before they are loaded (the papers' files fix their own hop counts): the
+  hops to train on and the held-out chains each curriculum stage advances on
+  must exist."""
+  task = data.load(config.data)
   if config.data.train_hops > task.max_hops:
     raise ConfigError(
       f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "
@@ -30,6 +32,7 @@ def check_task(config, task) -> None:
         f"train.curriculum.enabled: stage {k} advances on {k}-hop held-out "
         f"chains and the data have none"
       )
+  return task
 
 
 def train_iterator(config, task, shard=(0, 1)):
