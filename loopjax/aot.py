@@ -35,7 +35,10 @@ from ml_collections import config_flags
 config_flags.DEFINE_config_file("config", None, "Experiment config file[:variant].")
 flags.DEFINE_integer("devices", 8, "CPU devices to force (without --target).")
 flags.DEFINE_string(
-  "target", "", "tpu:GEN:AxB[:SLICES], e.g. tpu:v5e:4x4: a TPU slice's chips."
+  "target",
+  "",
+  "tpu:GEN:AxB[:SLICES] (a TPU slice, e.g. tpu:v5e:4x4) or "
+  "gpu:MODEL:SxHxG (slices x hosts x GPUs, e.g. gpu:h200:1x2x8).",
 )
 flags.DEFINE_bool(
   "allow_remat", False, "Pass a compile in which XLA rematerializes a tensor whole."
@@ -225,7 +228,7 @@ def main(argv):
   config = FLAGS.config
   try:
     config_lib.validate(config)
-    target = targets.tpu(FLAGS.target) if FLAGS.target else None
+    target = targets.make(FLAGS.target) if FLAGS.target else None
     devices = target.devices if target else jax.devices()
     if config.model.hf_dir:
       report = check_pretrained(config, devices)

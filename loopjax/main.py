@@ -133,11 +133,9 @@ def main(argv):
       exit_with(str(e))
     print("wrote " + ", ".join(map(str, paths)))
     return
-  if FLAGS.follow:  # the workdir may not exist yet: its config comes later
-    config = FLAGS.config
-  else:
-    config = _load_config(Workdir(workdir))
   try:
+    # --follow: the workdir may not exist yet, its config comes later
+    config = FLAGS.config if FLAGS.follow else _load_config(Workdir(workdir))
     if config is not None:
       config_lib.validate(config)
   except ConfigError as e:

@@ -1,18 +1,22 @@
-"""Compile targets reached from a CPU host: a TPU slice's chips from libtpu
-(`jax.experimental.topologies`), as compile-only devices.
+"""Compile targets reached from a CPU host, as compile-only devices
+(`jax.experimental.topologies`): a TPU slice's chips from libtpu, or a GPU
+node's from XLA's CUDA compiler given the GPU's target config.
 
   tpu:v5e:4x4      one v5e slice of 4 x 4 chips (4 hosts)
   tpu:v5p:2x2x4:2  two v5p slices
+  gpu:h200:1x2x8   H200s: 1 slice x 2 hosts x 8 GPUs per host
 
 A target's devices carry their host's process index, so a mesh over them is
 the one `jax.make_mesh` builds on the pod (`sharding.row_groups` then says
 which rows each host feeds). The chips' figures are the vendors' published
-ones; memory per device is the chip's divided among the devices libtpu shows
-for it (v4 and v5p show each of a chip's two TensorCores).
+ones (a GPU's memory and bandwidth from its target config, gpu_targets/);
+memory per device is the chip's divided among the devices libtpu shows for it
+(v4 and v5p show each of a chip's two TensorCores).
 """
 
 import math
 import os
+import pathlib
 import re
 from typing import NamedTuple
 
@@ -51,14 +55,52 @@ class Target(NamedTuple):
   hbm_bytes_per_s_per_device: float
 
 
+# GPU -> peak dense bf16 FLOP/s (NVIDIA's data sheets); its target config is
+# gpu_targets/<name>.txtpb (XLA's, with its source).
+GPUS = {"h100": 989e12, "h200": 989e12, "a100_80": 312e12, "b200": 2250e12}
+SPECS = pathlib.Path(__file__).parent / "gpu_targets"
+
+
+def make(spec: str) -> Target:
+  """The target `spec` names: a TPU slice or a GPU node."""
+  return gpu(spec) if spec.startswith("gpu:") else tpu(spec)
+
+
+def gpu(spec: str) -> Target:
+  """`gpu:MODEL:SxHxG`: S slices x H hosts x G GPUs of MODEL (jax[cuda12])."""
+  m = re.fullmatch(r"gpu:(\w+):(\d+)x(\d+)x(\d+)", spec)
+  if not m or m[1] not in GPUS or min(map(int, m.groups()[1:])) < 1:
+    raise _unknown(spec)
+  text = (SPECS / f"{m[1]}.txtpb").read_text()
+  from jax.experimental import topologies
+
+  try:
+    topology = topologies.get_topology_desc(
+      topology_name=m[1],
+      platform="cuda",
+      target_config=text,
+      topology="x".join(m.groups()[1:]),
+    )
+  except Exception as e:  # no CUDA plugin, or a config it cannot parse
+    raise ConfigError(
+      f"--target={spec}: XLA's CUDA compiler cannot describe it ({_reason(e)}); "
+      "pip install -e '.[cuda12]' installs it"
+    ) from None
+  field = lambda name: float(re.search(rf"\b{name}: (\d+)", text)[1])  # noqa: E731
+  return Target(
+    spec,
+    list(topology.devices),
+    int(field("device_memory_size")),
+    GPUS[m[1]],
+    field("memory_bandwidth"),
+  )
+
+
 def parse(spec: str) -> tuple[str, tuple[int, ...], int]:
   """`tpu:GEN:AxB[xC][:SLICES]` -> (generation, topology dims, slices)."""
   m = re.fullmatch(r"tpu:(\w+):(\d+(?:x\d+)+)(?::(\d+))?", spec)
   if not m or m[1] not in TPUS or (m[3] is not None and int(m[3]) < 1):
-    raise ConfigError(
-      f"--target: must be tpu:GEN:AxB[xC][:SLICES] with GEN one of "
-      f"{', '.join(TPUS)} (e.g. tpu:v5e:4x4); got {spec!r}"
-    )
+    raise _unknown(spec)
   return m[1], tuple(int(x) for x in m[2].split("x")), int(m[3] or 1)
 
 
@@ -100,6 +142,13 @@ def tpu(spec: str) -> Target:
     int(chip.hbm_bytes * share),
     chip.peak_flops * share,
     chip.hbm_bytes_per_s * share,
+  )
+
+
+def _unknown(spec: str) -> ConfigError:
+  return ConfigError(
+    f"--target: must be tpu:GEN:AxB[xC][:SLICES] (GEN: {', '.join(TPUS)}) or "
+    f"gpu:MODEL:SLICESxHOSTSxGPUS (MODEL: {', '.join(GPUS)}); got {spec!r}"
   )
 
 

@@ -57,6 +57,18 @@ def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str
   return out
 
 
+def read_json(path: Path):
+  """A record of the run; one that does not parse (cut short by a full disk,
+  edited by hand) is a ConfigError naming it."""
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(
+      f"{path}: not valid JSON ({e.msg}, line {e.lineno}); restore it or move "
+      "the workdir away"
+    ) from None
+
+
 def write_atomic(path: Path, text: str) -> None:
   """Whole files only: another process (an evaluation job, another host) may be
   reading them. One writer per file (the locks), so one temporary name."""
@@ -85,14 +97,14 @@ class Workdir:
       return None
     c = config_lib.base()
     c.unlock()
-    c.update(json.loads(saved.read_text()))  # recursive; lists become tuples
+    c.update(read_json(saved))  # recursive; lists become tuples
     return c
 
   def check(self, config) -> None:
     """Raises ConfigError if the workdir holds a run with a conflicting config."""
     saved = self.path / "config.json"
     if saved.exists():
-      old = json.loads(saved.read_text())
+      old = read_json(saved)
       diff = conflicts(old, json.loads(config_lib.to_json(config)))
       if diff:
         raise ConfigError(
@@ -138,7 +150,7 @@ class Workdir:
     saved = self.path / "dataset.json"
     if (
       saved.exists()
-      and json.loads(saved.read_text())["fingerprint"] != dataset["fingerprint"]
+      and read_json(saved)["fingerprint"] != dataset["fingerprint"]
     ):
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
@@ -183,7 +195,7 @@ class Workdir:
 
   def _read_phases(self) -> dict:
     path = self.path / "phases.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return read_json(path) if path.exists() else {}
 
   def _write_phases(self) -> None:
     write_atomic(self.path / "phases.json", json.dumps(self._phases, indent=2))

@@ -305,6 +305,25 @@ def test_unusable_paths_fail_in_one_line(tmp_path, flag, message):
   assert not (tmp_path / "run").exists()  # nothing created
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_cut_short_config_json_is_named_in_one_line(tmp_path, mode):
+  """config.json cut short (a full disk, a hand edit): one line naming it,
+  exit 2, for a run given its config and for one read from the workdir."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text('{"data": {"task": "compos')
+  cmd = cli(workdir, tmp_path / "data", f"--mode={mode}")
+  if mode == "eval":  # the workdir's config.json is the config
+    cmd = [x for x in cmd if not x.startswith("--config")]
+  proc = run(cmd)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert proc.stderr.strip().splitlines()[-1] == (
+    f"error: {workdir / 'config.json'}: not valid JSON (Unterminated string "
+    "starting at, line 1); restore it or move the workdir away"
+  )
+  assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
   "error",
   [

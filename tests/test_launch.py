@@ -152,14 +152,16 @@ def test_aot_compiles_for_a_target_mesh_and_reports_memory(tmp_path):
 
 
 @pytest.mark.parametrize(
-  "target", ["gpu:h100", "tpu:v9:4x4", "tpu:v5e:4", "tpu:v5e:4x4:0"]
+  "target",
+  ["gpu:h100", "gpu:v100:1x1x8", "gpu:h200:1x0x8", "tpu:v9:4x4", "tpu:v5e:4x4:0"],
 )
 def test_aot_refuses_an_unknown_target_in_one_line(target):
   out = _aot(f"--target={target}")
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
-    f"error: --target: must be tpu:GEN:AxB[xC][:SLICES] with GEN one of v4, v5e, "
-    f"v5p, v6e (e.g. tpu:v5e:4x4); got {target!r}"
+    "error: --target: must be tpu:GEN:AxB[xC][:SLICES] (GEN: v4, v5e, v5p, v6e) "
+    "or gpu:MODEL:SLICESxHOSTSxGPUS (MODEL: h100, h200, a100_80, b200); got "
+    f"{target!r}"
   ]
 
 
@@ -181,6 +183,23 @@ def test_aot_compiles_for_a_tpu_slice_with_its_kernels():
   )
   assert re.search(r"capacity +16\.000 GiB: fits, headroom", out.stdout)
   assert "MFU at most" in out.stdout
+
+
+@pytest.mark.slow
+def test_aot_compiles_for_a_gpu_node():
+  """XLA's CUDA compiler with the H200's target config (the `cuda12` extra;
+  skipped without it): 8 compile-only H200s, memory against their 141 GB."""
+  pytest.importorskip("jax_cuda12_plugin")
+  out = _aot(
+    "--target=gpu:h200:1x1x8",
+    "--config.mesh.devices=0",
+    "--config.mesh.fsdp=2",
+    "--allow_remat",  # the (B, T, T) document mask is resharded (issue 27)
+    config="experiments/lm.py:tiny",
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "mesh data 4 x fsdp 2 x tensor 1 on gpu:h200:1x1x8" in out.stdout
+  assert re.search(r"capacity +141\.000 GiB: fits", out.stdout)
 
 
 def test_aot_compiles_a_language_model_step():
