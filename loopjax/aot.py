@@ -157,19 +157,19 @@ def check(config, devices, target=None) -> dict:
     return report
   V, T = task.model_dims()
   flops = measure.model_flops(config, T, V) / len(devices)  # per device
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
+  cost = compiled.cost_analysis()  # None from XLA's GPU compiler
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
   moved = float(cost.get("bytes accessed", 0.0))
   bound = {
     "compute_s": flops / target.peak_flops_per_device,
-    "hbm_s": moved / target.hbm_bytes_per_s_per_device,
+    "hbm_s": moved / target.hbm_bytes_per_s_per_device,  # 0: not reported
   }
   return report | {
     "capacity": target.bytes_per_device,
     "model_flops_per_device": flops,
     "xla_bytes_accessed": moved,
     "step_s_bound": bound,
-    "mfu_bound": bound["compute_s"] / max(bound.values()),
+    "mfu_bound": bound["compute_s"] / max(bound.values()) if moved else None,
   }
 
 
@@ -201,11 +201,17 @@ def _table(report: dict) -> list[str]:
   )
   if cap is not None:
     b = report["step_s_bound"]
-    out.append(
-      f"step time bound (model FLOPs at peak; XLA's bytes, a rolled scan's body "
-      f"counted once): compute {b['compute_s'] * 1e3:.2f} ms, HBM "
-      f"{b['hbm_s'] * 1e3:.2f} ms: MFU at most {report['mfu_bound']:.0%}"
+    line = (
+      f"step time bound: compute {b['compute_s'] * 1e3:.2f} ms (model FLOPs at peak)"
     )
+    if report["mfu_bound"] is None:
+      line += "; bytes accessed: not reported by this compiler"
+    else:
+      line += (
+        f", HBM {b['hbm_s'] * 1e3:.2f} ms (XLA's bytes; a rolled scan's body "
+        f"counted once): MFU at most {report['mfu_bound']:.0%}"
+      )
+    out.append(line)
   if n := len(report["rematerialized"]):
     out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
   out.append("largest parameters: shape -> spec")

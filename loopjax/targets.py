@@ -74,18 +74,26 @@ def gpu(spec: str) -> Target:
   text = (SPECS / f"{m[1]}.txtpb").read_text()
   from jax.experimental import topologies
 
-  try:
-    topology = topologies.get_topology_desc(
-      topology_name=m[1],
-      platform="cuda",
-      target_config=text,
-      topology="x".join(m.groups()[1:]),
-    )
-  except Exception as e:  # no CUDA plugin, or a config it cannot parse
-    raise ConfigError(
-      f"--target={spec}: XLA's CUDA compiler cannot describe it ({_reason(e)}); "
-      "pip install -e '.[cuda12]' installs it"
-    ) from None
+  from loopjax import compiled
+
+  for _ in range(text.count("\n")):  # drop the fields this jaxlib predates
+    try:
+      with compiled.logged() as log:
+        topology = topologies.get_topology_desc(
+          topology_name=m[1],
+          platform="cuda",
+          target_config=text,
+          topology="x".join(m.groups()[1:]),
+        )
+      break
+    except Exception as e:  # no CUDA plugin, or a config it cannot parse
+      unknown = re.search(r'has no field named "(\w+)"', "\n".join(log))
+      if unknown is None:
+        raise ConfigError(
+          f"--target={spec}: XLA's CUDA compiler cannot describe it "
+          f"({_reason(e)}); pip install -e '.[cuda12]' installs it"
+        ) from None
+      text = _without(text, unknown[1])
   field = lambda name: float(re.search(rf"\b{name}: (\d+)", text)[1])  # noqa: E731
   return Target(
     spec,
@@ -143,6 +151,22 @@ def tpu(spec: str) -> Target:
     chip.peak_flops * share,
     chip.hbm_bytes_per_s * share,
   )
+
+
+def _without(text: str, field: str) -> str:
+  """A text proto without `field` (a `field: value` line or a `field { }`
+  block), which a jaxlib older than the target config does not know."""
+  lines, out, depth = text.splitlines(keepends=True), [], 0
+  for line in lines:
+    if depth:
+      depth += line.count("{") - line.count("}")
+    elif re.match(rf"\s*{field}\s*:", line):
+      continue
+    elif re.match(rf"\s*{field}\s*{{", line):
+      depth = line.count("{") - line.count("}")
+    else:
+      out.append(line)
+  return "".join(out)
 
 
 def _unknown(spec: str) -> ConfigError:

@@ -148,10 +148,7 @@ class Workdir:
     changed corpus, tokenizer or generator) than `dataset` (`task.summary()`);
     touches nothing."""
     saved = self.path / "dataset.json"
-    if (
-      saved.exists()
-      and read_json(saved)["fingerprint"] != dataset["fingerprint"]
-    ):
+    if saved.exists() and read_json(saved)["fingerprint"] != dataset["fingerprint"]:
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
         f"in {saved} differs); use a new --workdir"
