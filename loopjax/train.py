@@ -77,21 +77,25 @@ class RunStopped(RuntimeError):
 
 
 class _Preemption:
-  """While active, SIGTERM/SIGINT set a flag the loop checks after each step.
+  """Once armed, SIGTERM/SIGINT set a flag the loop checks after each step.
 
-  With several processes, all must stop after the same step (a save is
-  collective): JAX's preemption service hears SIGTERM and
-  `reached_preemption_sync_point` tells every process the same step, so the
-  handlers stay JAX's.
+  Armed after the first step, whose call compiles: until then there is
+  nothing to save and a compile can run for minutes, so the signals keep
+  their default action (SIGTERM ends the process at once). With several
+  processes, all must stop after the same step (a save is collective): JAX's
+  preemption service hears SIGTERM and `reached_preemption_sync_point` tells
+  every process the same step, so the handlers stay JAX's.
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __enter__(self):
-    self.signal, self._old = None, None
-    if jax.process_count() == 1:
-      self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
+    self.signal, self._old, self._alone = None, None, jax.process_count() == 1
     return self
+
+  def arm(self) -> None:
+    if self._alone and self._old is None:
+      self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
 
   def __exit__(self, *exc):
     if self._old is not None:
@@ -102,7 +106,7 @@ class _Preemption:
     self.signal = signal.Signals(signum).name
 
   def requested(self, step: int) -> bool:
-    if self._old is None and multihost_utils.reached_preemption_sync_point(step):
+    if not self._alone and multihost_utils.reached_preemption_sync_point(step):
       self.signal = "SIGTERM (all processes)"
     return self.signal is not None
 
@@ -227,6 +231,7 @@ class _Loop:
     try:
       while step < num_steps and not preempt.requested(step):
         state, step_metrics = self.train_step(state, next(self.train_iter))
+        preempt.arm()  # compiled: from now on a signal saves the step it stops at
         step = self.step = step + 1
         if pending is not None:  # step - 1's numbers: ready by now, no stall
           last |= _check_finite(*pending)

@@ -156,6 +156,31 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   assert evals(workdir) == evals(tmp_path / "straight")
 
 
+@pytest.mark.slow  # ~20 s
+def test_sigterm_during_the_first_compile_ends_the_run_at_once(tiny_config, tmp_path):
+  """Nothing is saved before the first step, whose call compiles for minutes
+  here (64 unrolled iterations): SIGTERM then ends the process at once."""
+  workdir, data_dir = tmp_path / "run", tiny_config.data.data_dir
+  slow = ("--config.model.num_loops=64", "--config.model.scan_unroll=64")
+  proc = subprocess.Popen(
+    cli(workdir, data_dir, *slow),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    env=CPU_ENV,
+  )
+  log, deadline = workdir / "metrics.jsonl", time.monotonic() + 120
+  while not (log.exists() and '"start"' in log.read_text()):  # the loop begins:
+    assert time.monotonic() < deadline and proc.poll() is None  # then it compiles
+    time.sleep(0.1)
+  time.sleep(2)
+  proc.send_signal(signal.SIGTERM)
+  sent = time.monotonic()
+  assert proc.wait(timeout=60) == -signal.SIGTERM
+  assert time.monotonic() - sent < 10
+  assert not (workdir / "checkpoints").exists() or steps_on_disk(workdir) == []
+
+
 def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_config):
   import numpy as np
 
