@@ -180,9 +180,10 @@ def row_groups(
     held.setdefault(process_of(device), []).append(index[0].indices(batch_size)[:2])
   spans = {p: _merged(rows) for p, rows in held.items()}
   groups = sorted(set(spans.values()))
-  rows = sorted(r for g in groups for a, b in g for r in range(a, b))
+  every = sorted(span for g in groups for span in g)
   sizes = {sum(b - a for a, b in g) for g in groups}
-  if rows != list(range(batch_size)) or len(sizes) != 1:
+  covered = sum(b - a for a, b in every) == batch_size  # with the next: once each
+  if not covered or _merged(every) != ((0, batch_size),) or len(sizes) != 1:
     raise ConfigError(  # a non-uniform sharding: no mesh make_mesh builds
       f"mesh: the processes' devices hold overlapping or unequal rows of the "
       f"batch ({sorted(spans.items())[:4]}); use a mesh whose data and fsdp "

@@ -21,6 +21,7 @@ class Family(Protocol):
   name: str
   loss_fn: object  # (model, batch, train config, key, num_loops, depth) -> (loss, acc)
   reads_every_position: bool  # a readout per token (LM) or per sequence (KG)
+  packs_documents: bool  # batches of packed documents, masked apart (B, T, T)
 
   def load(self, config):
     """The task's data (`data.load`), checked for what validation cannot see

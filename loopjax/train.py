@@ -16,7 +16,7 @@ import jax
 import optax
 from jax.experimental import multihost_utils
 
-from loopjax import checkpoint, metrics, recurrence, sharding
+from loopjax import checkpoint, footprint, metrics, recurrence, sharding
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
 from loopjax.pretrained import init_from
@@ -120,14 +120,15 @@ def train_and_evaluate(config, workdir) -> dict:
   task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = task.summary()  # fingerprints every array: once
   mesh, rules, rows = sharding.run_mesh(config)  # mesh errors before any write
+  graphdef, abstract, tx, shardings = sharded_train_state(
+    config, task, mesh, abstract=True
+  )
+  footprint.check(config, family, task, mesh, abstract["params"])  # in seconds
   wd.check_data(dataset)
   wd.check_writable()
   with wd.exclusive("train"):
     wd.record(config, task, family.phase_names(config), dataset)
     mngr = wd.checkpoints(config.checkpoint)
-    graphdef, abstract, tx, shardings = sharded_train_state(
-      config, task, mesh, abstract=True
-    )
     train_iter = family.train_iterator(config, task, rows)
     state, start = checkpoint.restore(mngr, abstract, train_iter)
     if state is None:  # fresh, or every checkpoint set aside: model.init_from's

@@ -48,6 +48,21 @@ def test_a_changed_corpus_is_refused_by_its_workdir(lm_config, tmp_path):
   assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "run").rglob("*")}
 
 
+def test_a_step_that_cannot_fit_is_refused_before_anything_compiles(
+  lm_config, tmp_path
+):
+  """2^27 windows of 32 tokens: their (B, T, T) document mask alone is 128 GiB,
+  more than any machine this runs on; refused in one line, nothing written."""
+  lm_config.train.batch_size = 2**27
+  with pytest.raises(ConfigError) as e:
+    train.train_and_evaluate(lm_config, tmp_path / "run")
+  assert str(e.value).startswith(
+    "train.batch_size, data.seq_len: a step needs at least 128.0 GiB per device "
+    "(document mask (B, T, T): 128.0 GiB; batch 134217728, 32 tokens) and "
+  )
+  assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow  # five CLI processes, ~30 s
 def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   wd, data_dir = tmp_path / "run", lm_config.data.data_dir

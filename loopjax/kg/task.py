@@ -15,6 +15,7 @@ class _KnowledgeGraph:
 
   loss_fn = staticmethod(loss.loss_fn)
   reads_every_position = False
+  packs_documents = False
 
   def load(self, config):
     return data.load(config.data)

@@ -14,6 +14,7 @@ class LanguageModel:
   name = "lm"
   loss_fn = staticmethod(loss.lm_loss_fn)
   reads_every_position = True
+  packs_documents = True
 
   def load(self, config):
     return data.load(config.data)

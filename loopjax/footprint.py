@@ -1,0 +1,64 @@
+"""A lower bound on a train step's memory per device, from the config alone,
+held against the devices' memory before anything compiles.
+
+A step that cannot fit should fail in seconds with the fields that make it
+big, not after minutes of compiling and a kill by the OS (a 100k-token
+sequence's document mask alone is 80 GB). The bound counts only what the step
+must hold at once: the train state's shard (float32 params, Adam's two
+moments, the gradient) and, for packed text, one layer's (B, T, T) document
+mask, plus on an accelerator XLA's attention logits (B, N, T, T) in float32.
+What `python -m loopjax.aot` compiles is the full account.
+"""
+
+import math
+import os
+
+import jax
+
+from loopjax.errors import ConfigError
+
+GIB = 2**30
+
+
+def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
+  """{term: bytes per device} of a step's memory that no schedule avoids;
+  `params`: the model's (abstract) params."""
+  m = config.model
+  rows = config.train.batch_size / math.prod(
+    mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape
+  )
+  _, T = task.model_dims()
+  size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  out = {"params, Adam moments, gradient": 16 * size / mesh.devices.size}
+  if family.packs_documents:
+    out["document mask (B, T, T)"] = rows * T * T
+  if mesh.devices.flat[0].platform != "cpu":
+    out["attention logits (B, N, T, T)"] = 4 * rows * m.num_heads * T * T
+  return out
+
+
+def capacity(mesh) -> tuple[int, str]:
+  """(bytes per device, what they are): an accelerator's own limit, or this
+  host's memory shared by its CPU devices."""
+  device = mesh.devices.flat[0]
+  stats = device.memory_stats() if device.platform != "cpu" else None
+  if stats and "bytes_limit" in stats:
+    return int(stats["bytes_limit"]), f"{device.device_kind} memory"
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  local = max(len(jax.local_devices()), 1)
+  return host // local, f"this host's memory / {local} devices"
+
+
+def check(config, family, task, mesh, params) -> None:
+  """Raises ConfigError when the lower bound exceeds the devices' memory."""
+  terms = lower_bound(config, family, task, mesh, params)
+  have, what = capacity(mesh)
+  need = sum(terms.values())
+  if need > have:
+    big = max(terms, key=terms.get)
+    raise ConfigError(
+      f"train.batch_size, data.seq_len: a step needs at least {need / GIB:.1f} "
+      f"GiB per device ({big}: {terms[big] / GIB:.1f} GiB; batch "
+      f"{config.train.batch_size}, {task.model_dims()[1]} tokens) and "
+      f"{what} is {have / GIB:.1f} GiB"
+    )
