@@ -14,7 +14,7 @@ initialized, no data are generated: the vocabulary and sequence length come
 from the config). Mesh, rule and shape errors show here instead of on pod
 time. The report, per device: memory (arguments = its shard of the state and
 batch, temporaries, outputs, peak) against the chip's, compile time, the
-collectives in the compiled HLO, XLA's warnings (an involuntary
+collectives in the compiled HLO, XLA's warnings (on a target an involuntary
 rematerialization fails the check unless --allow_remat), and on a target the
 step time the chips' peak FLOP/s and HBM bandwidth bound it to.
 
@@ -41,7 +41,10 @@ flags.DEFINE_string(
   "gpu:MODEL:SxHxG (slices x hosts x GPUs, e.g. gpu:h200:1x2x8).",
 )
 flags.DEFINE_bool(
-  "allow_remat", False, "Pass a compile in which XLA rematerializes a tensor whole."
+  "allow_remat",
+  False,
+  "--target: pass a compile in which XLA rematerializes a tensor whole (on "
+  "forced CPU devices it is reported only).",
 )
 flags.DEFINE_string("json", "", "Also write the report to this file.")
 FLAGS = flags.FLAGS
@@ -257,7 +260,7 @@ def main(argv):
       print(f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in mem))
     return
   print("\n".join(_table(report)))
-  if report["rematerialized"] and not FLAGS.allow_remat:
+  if report["rematerialized"] and target is not None and not FLAGS.allow_remat:
     exit_with(
       f"XLA rematerialized {len(report['rematerialized'])} tensor(s) whole to "
       "reshard them (its warnings above); change the mesh or sharding rules, or "
