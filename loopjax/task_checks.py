@@ -136,7 +136,7 @@ def pretrained(c) -> None:
   _no_curriculum(c)
 
 
-def hf_path(init_from: str) -> Path:
+def _hf_path(init_from: str) -> Path:
   """DIR of `model.init_from` "hf:DIR"."""
   return Path(init_from.removeprefix("hf:")).expanduser()
 
@@ -151,7 +151,7 @@ def init_from(c) -> None:
       "model.init_from: must be '' or 'hf:DIR' (a local Hugging Face model "
       f"directory); got {m.init_from!r}"
     )
-  path = hf_path(m.init_from)
+  path = _hf_path(m.init_from)
   for name in ("config.json", "tokenizer.json"):
     if not (path / name).is_file():
       raise ConfigError(f"model.init_from: {path} has no {name}")

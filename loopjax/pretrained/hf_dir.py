@@ -39,10 +39,12 @@ def check_config(hf: dict, architecture: str, fixed: dict) -> None:
 
 class HfDir:
   """`config` (config.json as a dict) and the tensors, as `dtype` arrays
-  (`take`), each read when asked for; weights=False: config.json alone."""
+  (`take`), each read when asked for; weights=False: config.json alone.
+  `path`: the directory, or `model.init_from`'s "hf:DIR"."""
 
   def __init__(self, path, dtype: str = "float32", weights: bool = True):
-    self.path, self.dtype = Path(path).expanduser(), jnp.dtype(dtype)
+    self.path = Path(str(path).removeprefix("hf:")).expanduser()
+    self.dtype = jnp.dtype(dtype)
     if not (self.path / "config.json").is_file():
       raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
     try:

@@ -26,7 +26,6 @@ from loopjax.errors import ConfigError
 from loopjax.pretrained import llama
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.pretrained.load import load, split
-from loopjax.task_checks import hf_path
 
 # `model` fields the family's config sets to a feedforward model's values that
 # a looped run chooses itself.
@@ -41,8 +40,8 @@ def resolve(config):
   m = config.model
   if not m.init_from:
     return config
-  path = hf_path(m.init_from)
-  hf = HfDir(path, weights=False).config
+  hf_dir = HfDir(m.init_from, weights=False)
+  hf, path = hf_dir.config, hf_dir.path
   if hf.get("model_type") not in llama.LAYOUTS:
     raise ConfigError(
       f"model.init_from: {path} must hold a feedforward {' or '.join(llama.LAYOUTS)} "
@@ -75,7 +74,7 @@ def params(config, mesh=None) -> dict:
   zero bias, on the host."""
   m, rules = config.model, tuple(config.sharding.rules)
   _, model = load(
-    hf_path(m.init_from), m, split(config), m.num_loops, "float32",
+    m.init_from, m, split(config), m.num_loops, "float32",
     mesh=mesh, rules=rules,
   )  # fmt: skip
   pure = nnx.to_pure_dict(model.params)
