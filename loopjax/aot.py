@@ -73,7 +73,7 @@ def check_pretrained(config, devices) -> dict:
   import jax
   import numpy as np
 
-  from loopjax import sharding
+  from loopjax import compiled, sharding
   from loopjax import task as task_lib
   from loopjax.analysis import depth_scan
   from loopjax.pretrained import load
@@ -106,12 +106,7 @@ def check_pretrained(config, devices) -> dict:
   }
   out = {"mesh": dict(mesh.shape), "batch": [B, T], "passes": {}}
   for name, (fn, arg) in passes.items():
-    mem = jax.jit(fn).lower(model, arg).compile().memory_analysis()
-    out["passes"][name] = {
-      "arguments": mem.argument_size_in_bytes,
-      "temporaries": mem.temp_size_in_bytes,
-      "outputs": mem.output_size_in_bytes,
-    }
+    out["passes"][name] = compiled.memory(jax.jit(fn).lower(model, arg).compile())
   params = jax.tree_util.tree_flatten_with_path(model.params)[0]
   out["params"] = sum(int(np.prod(x.shape)) for _, x in params)
   return out
@@ -255,7 +250,7 @@ def main(argv):
       f"{config.model.dtype}, batch {report['batch'][0]} x {report['batch'][1]} "
       f"tokens, mesh {mesh} ({len(devices)} {FLAGS.target or 'CPU'} devices)"
     )
-    print("memory per device: arguments, temporaries, outputs")
+    print("memory per device: arguments, temporaries, outputs, peak")
     for name, mem in report["passes"].items():
       print(f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in mem))
     return

@@ -15,6 +15,7 @@ import os
 
 import jax
 
+from loopjax import sharding
 from loopjax.errors import ConfigError
 
 GIB = 2**30
@@ -24,9 +25,7 @@ def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
   """{term: bytes per device} of a step's memory that no schedule avoids;
   `params`: the model's (abstract) params."""
   m = config.model
-  rows = config.train.batch_size / math.prod(
-    mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape
-  )
+  rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
   _, T = task.model_dims()
   size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   out = {"params, Adam moments, gradient": 16 * size / mesh.devices.size}

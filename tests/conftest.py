@@ -79,6 +79,13 @@ def run(cmd):
   return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
 
 
+def start(cmd):
+  """Starts a command on the CPU backend; stdout and stderr as one text pipe."""
+  return subprocess.Popen(
+    cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=CPU_ENV
+  )
+
+
 def as_ltg_writes_it(out) -> None:
   """An exported k-hop directory rewritten as LTG's create_dataset.py writes it:
   one json.dump line per file, train.json's k-hop chains typed '<k-2>hop_train'."""

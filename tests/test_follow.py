@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CPU_ENV, cli, steps_on_disk
+from conftest import CPU_ENV, cli, start, steps_on_disk
 
 from loopjax import data, follow, metrics, restore, train
 from loopjax.errors import ConfigError
@@ -55,13 +55,7 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
   # Its first line, before the trainer starts (else the two race for config.json).
   head = first.stdout.readline()
   assert "waiting for" in head, head  # it started before config.json existed
-  trainer = subprocess.Popen(
-    cli(workdir, data_dir, *STEPS),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=CPU_ENV,
-  )
+  trainer = start(cli(workdir, data_dir, *STEPS))
   deadline = time.monotonic() + 120
   while len(_evaluated(workdir)) < 2 and time.monotonic() < deadline:
     assert first.poll() is None, first.communicate()[0][-3000:]

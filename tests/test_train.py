@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import CPU_ENV, cli, losses, run, steps_on_disk
+from conftest import cli, losses, run, start, steps_on_disk
 
 from loopjax import evaluate, loss, metrics, train
 from loopjax.errors import ConfigError
@@ -134,13 +134,7 @@ def test_killed_run_resumes(tiny_config, tmp_path, sig):
   and evaluations. The kill comes at a random step (seeded, so reproducible).
   """
   workdir, data_dir = tmp_path / "run", tiny_config.data.data_dir
-  proc = subprocess.Popen(
-    cli(workdir, data_dir, *STEPS),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=CPU_ENV,
-  )
+  proc = start(cli(workdir, data_dir, *STEPS))
   _wait_for_step(workdir, random.Random(int(sig)).randrange(20, 150), proc)
   proc.send_signal(sig)
   out, _ = proc.communicate(timeout=120)
@@ -162,13 +156,7 @@ def test_sigterm_during_the_first_compile_ends_the_run_at_once(tiny_config, tmp_
   here (64 unrolled iterations): SIGTERM then ends the process at once."""
   workdir, data_dir = tmp_path / "run", tiny_config.data.data_dir
   slow = ("--config.model.num_loops=64", "--config.model.scan_unroll=64")
-  proc = subprocess.Popen(
-    cli(workdir, data_dir, *slow),
-    stdout=subprocess.PIPE,
-    stderr=subprocess.STDOUT,
-    text=True,
-    env=CPU_ENV,
-  )
+  proc = start(cli(workdir, data_dir, *slow))
   log, deadline = workdir / "metrics.jsonl", time.monotonic() + 120
   while not (log.exists() and '"start"' in log.read_text()):  # the loop begins:
     assert time.monotonic() < deadline and proc.poll() is None  # then it compiles

@@ -11,6 +11,7 @@ from loopjax.bench.measure import (
   random_batch,
   timed_side_by_side,
 )
+from loopjax.compiled import memory
 from loopjax.state import build_model, init_state, make_optimizer
 from loopjax.train import make_train_step
 
@@ -56,7 +57,7 @@ def _jax_program(config):
   compile_s = time.perf_counter() - t
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
-  mem = compiled.memory_analysis()
+  mem = memory(compiled)
   holder = [state]
 
   def call():  # blocks on the loss, as the training loop's metric fetch does
@@ -67,11 +68,8 @@ def _jax_program(config):
     "compile_s": compile_s,
     "flops": model_flops(config, T, V),
     "xla_flops": float(cost["flops"]),
-    "temp_bytes": mem.temp_size_in_bytes,
-    "peak_bytes": mem.temp_size_in_bytes
-    + mem.argument_size_in_bytes
-    + mem.output_size_in_bytes
-    - mem.alias_size_in_bytes,
+    "temp_bytes": mem["temporaries"],
+    "peak_bytes": mem["peak"],
   }
 
 
