@@ -19,7 +19,7 @@ Variants: `composition` (default: `sysgen.py:cpu`, 2-hop composition),
 """
 
 from experiments import extrapolation, sysgen
-from loopjax.analysis import MECHANISTIC
+from loopjax.names import MECHANISTIC
 
 
 def get_config(variant: str = "composition"):

@@ -58,7 +58,7 @@ tokenizer (100352 rows, 100278 tokens), is used as it is.
 import math
 
 from loopjax import config as config_lib
-from loopjax.analysis import LM_STREAMED
+from loopjax.names import LM_STREAMED
 
 # The first state's std: the converters keep Huginn-0125's (its 5280 width).
 HUGINN_STATE_STD = math.sqrt(2 / (5 * 5280))

@@ -37,7 +37,7 @@ the published models' shapes):
 from pathlib import Path
 
 from loopjax import config as config_lib
-from loopjax.analysis import LM_ANALYSES, LM_STREAMED
+from loopjax.names import LM_ANALYSES, LM_STREAMED
 
 PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
 SHAPES = Path(__file__).parent / "hf_shapes"  # published models' config.json

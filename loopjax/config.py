@@ -14,8 +14,8 @@ import json
 import ml_collections
 
 from loopjax import field_rules, task_checks
-from loopjax.analysis import HALTING_LTG, LM_STREAMED, MECHANISTIC
 from loopjax.errors import ConfigError
+from loopjax.names import HALTING_LTG, LM_STREAMED, MECHANISTIC
 
 
 def base() -> ml_collections.ConfigDict:

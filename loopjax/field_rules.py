@@ -5,8 +5,8 @@ that relate fields). JAX-free."""
 import math
 
 from loopjax import task_checks
-from loopjax.analysis import HALTING_CRITERIA, HALTING_START
 from loopjax.errors import ConfigError
+from loopjax.names import HALTING_CRITERIA, HALTING_START
 
 ENUMS = {
   "data.task": tuple(task_checks.RULES),

@@ -50,8 +50,8 @@ def capacity(mesh) -> tuple[int, str]:
 
 def check(config, family, task, mesh, params) -> None:
   """Raises ConfigError when the lower bound exceeds the devices' memory."""
-  terms = lower_bound(config, family, task, mesh, params)
   have, what = capacity(mesh)
+  terms = lower_bound(config, family, task, mesh, params)
   need = sum(terms.values())
   if need > have:
     big = max(terms, key=terms.get)

@@ -227,7 +227,7 @@ def _cosine_gap(s: Step):
 
 
 # name -> whether each unit's answer has settled (U,); one for each of
-# `analysis.HALTING_CRITERIA`, the names config validation knows.
+# `names.HALTING_CRITERIA`, the names config validation knows.
 CRITERIA = {
   "kl_entropy": lambda s, l: (
     (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau)

@@ -8,8 +8,8 @@ holds each family's checker and analyses, by the family's `data.task` name.
 from pathlib import Path
 from typing import NamedTuple
 
-from loopjax.analysis import ANALYSES, LM_ANALYSES, LM_STREAMED
 from loopjax.errors import ConfigError
+from loopjax.names import ANALYSES, LM_ANALYSES, LM_STREAMED
 
 MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
 

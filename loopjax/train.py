@@ -149,15 +149,13 @@ def train_and_evaluate(config, workdir) -> dict:
       print(f"already trained to step {start}; nothing to do")
       mngr.close()
       return {}
-    train_step = make_train_step(config, graphdef, tx, mesh, shardings)
-    batch_sharding, B = sharding.batch_sharding(mesh, rules), config.train.batch_size
     loop = _Loop(
       config=config,
       family=family,
       wd=wd,
-      train_step=lambda s, b: train_step(
-        s, sharding.global_batch(b, batch_sharding, B)
-      ),
+      graphdef=graphdef,
+      mesh=mesh,
+      shardings=shardings,
       tx=tx,
       train_iter=train_iter,
       evaluator=family.evaluator(
@@ -177,8 +175,10 @@ class _Loop:
   config: object
   family: task_lib.Family
   wd: Workdir
-  train_step: object  # (state, this process's batch) -> (state, metrics)
-  tx: object  # the optimizer, for a fresh state per curriculum stage
+  graphdef: object  # with mesh, shardings and tx: what the step is built from
+  mesh: object
+  shardings: dict
+  tx: object  # the optimizer, also for a fresh state per curriculum stage
   train_iter: object
   evaluator: object  # the family's: run(params) -> metrics
   mngr: object
@@ -229,9 +229,16 @@ class _Loop:
     num_steps, eval_every = config.train.num_steps, config.eval_every
     progress = metrics.Progress(num_steps, self.step)
     last, pending, step, saved = {}, None, self.step, self.step
+    train_step = make_train_step(
+      config, self.graphdef, self.tx, self.mesh, self.shardings
+    )
+    batches = sharding.batch_sharding(self.mesh, config.sharding.rules)
     try:
       while step < num_steps and not preempt.requested(step):
-        state, step_metrics = self.train_step(state, next(self.train_iter))
+        batch = sharding.global_batch(
+          next(self.train_iter), batches, config.train.batch_size
+        )
+        state, step_metrics = train_step(state, batch)
         preempt.arm()  # compiled: from now on a signal saves the step it stops at
         step = self.step = step + 1
         if pending is not None:  # step - 1's numbers: ready by now, no stall

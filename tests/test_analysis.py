@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from loopjax.analysis import (
-  MECHANISTIC,
-  activations,
-  attention,
-  fixed_points,
-  logit_lens,
-)
+from loopjax.analysis import activations, attention, fixed_points, logit_lens
 from loopjax.model import LoopedTransformer
+from loopjax.names import MECHANISTIC
 
 PAD = 9
 

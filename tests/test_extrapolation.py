@@ -11,11 +11,11 @@ from conftest import as_ltg_writes_it, losses, run
 
 from experiments import extrapolation
 from loopjax import metrics, restore, train
-from loopjax.analysis import ANALYSES
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
 from loopjax.kg import curriculum, overthinking
 from loopjax.kg.evaluate import Evaluator
+from loopjax.names import ANALYSES
 from loopjax.state import Model, train_state
 
 

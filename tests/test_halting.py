@@ -109,7 +109,7 @@ def test_unknown_criterion():
 
 
 def test_every_criterion_config_names_has_a_rule():
-  from loopjax.analysis import HALTING_CRITERIA, HALTING_LTG
+  from loopjax.names import HALTING_CRITERIA, HALTING_LTG
 
   assert tuple(halting.CRITERIA) == HALTING_CRITERIA
   assert set(HALTING_LTG) <= set(HALTING_CRITERIA)

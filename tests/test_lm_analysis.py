@@ -10,16 +10,11 @@ import pytest
 from flax import nnx
 
 from experiments import lm as lm_experiment
-from loopjax.analysis import (
-  LM_STREAMED,
-  attention,
-  depth_scan,
-  fixed_points,
-  stages,
-)
+from loopjax.analysis import attention, depth_scan, fixed_points, stages
 from loopjax.data.lm import LmData
 from loopjax.lm import analyze as analyze_lm
 from loopjax.lm import study as lm_study
+from loopjax.names import LM_STREAMED
 from loopjax.state import Model, build_model
 
 V, T = 64, 24

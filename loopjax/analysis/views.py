@@ -2,7 +2,8 @@
 `plot` and `summary` turn its report into a markdown table, figures and a
 line. A new analysis adds its view here."""
 
-from loopjax.analysis import MECHANISTIC, figures, mechanistic_figures, stage_figures
+from loopjax.analysis import figures, mechanistic_figures, stage_figures
+from loopjax.names import MECHANISTIC
 
 # Knowledge-graph runs: the probe splits' curves and tables, and the traced pass.
 KG = {

@@ -18,7 +18,6 @@ import jax
 from loopjax import config as config_lib
 from loopjax import data, restore
 from loopjax.analysis import (
-  MECHANISTIC,
   activations,
   attention,
   fixed_points,
@@ -29,6 +28,7 @@ from loopjax.analysis import (
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
 from loopjax.kg import overthinking
+from loopjax.names import MECHANISTIC
 from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from loopjax import config as config_lib
 from loopjax.analysis import (
-  LM_STREAMED,
   attention,
   depth_scan,
   fixed_points,
@@ -28,6 +27,7 @@ from loopjax.analysis import (
 )
 from loopjax.data import lm
 from loopjax.errors import ConfigError
+from loopjax.names import LM_STREAMED
 from loopjax.state import Model, eval_key
 
 SPLIT = "validation"
