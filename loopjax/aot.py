@@ -64,12 +64,14 @@ def _batch(family, config, task, B: int, put) -> dict:
   }
 
 
-def check_pretrained(config, devices) -> dict:
+def check_pretrained(config, devices, target=None) -> dict:
   """A pretrained model's (`model.hf_dir`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
   recurrences over analyze.batch_size prompts of data.seq_len tokens, and
   the forward at model.num_loops, its params in model.dtype sharded by the
-  rules; returns their memory reports."""
+  rules; returns each one's memory, compile time and XLA's warnings."""
+  import time
+
   import jax
   import numpy as np
 
@@ -104,9 +106,22 @@ def check_pretrained(config, devices) -> dict:
     f"analysis, {config.analyze.max_depth} recurrences": (analysis, batch),
     f"forward, {cfg.num_loops} recurrences": (forward, tokens),
   }
-  out = {"mesh": dict(mesh.shape), "batch": [B, T], "passes": {}}
+  out = {
+    "target": target.name if target else f"cpu:{len(devices)}",
+    "capacity": target.bytes_per_device if target else None,
+    "mesh": dict(mesh.shape),
+    "batch": [B, T],
+    "passes": {},
+    "rematerialized": [],
+  }
   for name, (fn, arg) in passes.items():
-    out["passes"][name] = compiled.memory(jax.jit(fn).lower(model, arg).compile())
+    t = time.perf_counter()
+    with compiled.logged() as log:
+      executable = jax.jit(fn).lower(model, arg).compile()
+    out["passes"][name] = compiled.memory(executable) | {
+      "compile_s": time.perf_counter() - t
+    }
+    out["rematerialized"] += [x for x in log if compiled.REMAT in x]
   params = jax.tree_util.tree_flatten_with_path(model.params)[0]
   out["params"] = sum(int(np.prod(x.shape)) for _, x in params)
   return out
@@ -171,6 +186,29 @@ def check(config, devices, target=None) -> dict:
   }
 
 
+def _pretrained_table(report: dict, config) -> list[str]:
+  """A pretrained model's passes as lines."""
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  B, T = report["batch"]
+  out = [
+    f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
+    f"{config.model.dtype}, batch {B} x {T} tokens, mesh {mesh} on "
+    f"{report['target']}",
+    "per device: arguments, temporaries, outputs, peak; compile time",
+  ]
+  cap = report["capacity"]
+  for name, mem in report["passes"].items():
+    line = f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in list(mem)[:4])
+    line += f"; {mem['compile_s']:.1f} s"
+    if cap is not None:
+      fits = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
+      line += f"; {fits} in {_gib(cap)}, headroom {_gib(cap - mem['peak'])}"
+    out.append(line)
+  if n := len(report["rematerialized"]):
+    out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
+  return out
+
+
 def _table(report: dict) -> list[str]:
   """The train step's report as lines."""
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
@@ -223,19 +261,23 @@ def main(argv):
 
   import jax
 
+  from loopjax import compiled, targets
   from loopjax import config as config_lib
-  from loopjax import targets
   from loopjax.errors import ConfigError, exit_with
+  from loopjax.pretrained import init_from
 
   # A cached executable skips the compile and with it XLA's warnings and time.
   jax.config.update("jax_enable_compilation_cache", False)
   config = FLAGS.config
   try:
+    if config.model.init_from:  # its shapes; the compile reads no tensor
+      config = init_from.resolve(config, tokenizer=False)
+      config.model.update(init_from="", hf_split="")
     config_lib.validate(config)
     target = targets.make(FLAGS.target) if FLAGS.target else None
     devices = target.devices if target else jax.devices()
     if config.model.hf_dir:
-      report = check_pretrained(config, devices)
+      report = check_pretrained(config, devices, target)
     else:
       report = check(config, devices, target)
   except ConfigError as e:
@@ -243,25 +285,11 @@ def main(argv):
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=2, default=str)
-  if config.model.hf_dir:
-    mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
-    print(
-      f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
-      f"{config.model.dtype}, batch {report['batch'][0]} x {report['batch'][1]} "
-      f"tokens, mesh {mesh} ({len(devices)} {FLAGS.target or 'CPU'} devices)"
-    )
-    print("memory per device: arguments, temporaries, outputs, peak")
-    for name, mem in report["passes"].items():
-      print(f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in mem))
-    return
-  print("\n".join(_table(report)))
-  if report["rematerialized"] and target is not None and not FLAGS.allow_remat:
-    exit_with(
-      f"XLA rematerialized {len(report['rematerialized'])} tensor(s) whole to "
-      "reshard them (its warnings above); change the mesh or sharding rules, or "
-      "pass --allow_remat",
-      code=1,
-    )
+  pretrained = config.model.hf_dir
+  print("\n".join(_pretrained_table(report, config) if pretrained else _table(report)))
+  on_target, remat = target is not None, report["rematerialized"]
+  if (why := compiled.refusal(remat, on_target, FLAGS.allow_remat)) is not None:
+    exit_with(why, code=1)
 
 
 if __name__ == "__main__":

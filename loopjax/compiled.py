@@ -58,9 +58,10 @@ def _prod(dims: str) -> int:
 
 
 @contextlib.contextmanager
-def logged():
+def logged(echo: bool = True):
   """Captures what XLA's C++ code writes to stderr inside the block (a list
-  of lines, filled on exit) and writes it on, so nothing is hidden."""
+  of lines, filled on exit) and writes it on, so nothing is hidden (`echo`
+  False: the caller handles what it says)."""
   lines: list[str] = []
   sys.stderr.flush()
   saved = os.dup(2)
@@ -74,5 +75,19 @@ def logged():
       os.close(saved)
       f.seek(0)
       text = f.read()
-      sys.stderr.write(text)
+      if echo:
+        sys.stderr.write(text)
       lines += text.splitlines()
+
+
+def refusal(rematerialized: list, on_target: bool, allowed: bool) -> str | None:
+  """Why a target's compile fails its check: XLA replicated tensors whole to
+  reshard them (`rematerialized`: its warnings), which a pod would pay in
+  every step. On forced CPU devices they are reported only."""
+  if rematerialized and on_target and not allowed:
+    return (
+      f"XLA rematerialized {len(rematerialized)} tensor(s) whole to reshard "
+      "them (its warnings above); change the mesh or sharding rules, or pass "
+      "--allow_remat"
+    )
+  return None

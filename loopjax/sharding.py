@@ -112,6 +112,15 @@ def spec(logical, rules, shape=None, mesh=None) -> PartitionSpec:
       if shape[i] % size:
         axes = None
     out.append(tuple(axes) if isinstance(axes, list) else axes)
+  used = [
+    a for axes in out if axes for a in (axes if isinstance(axes, tuple) else (axes,))
+  ]
+  if twice := sorted({a for a in used if used.count(a) > 1}):
+    raise ConfigError(
+      f"sharding.rules: {', '.join(map(str, logical))} would split one tensor "
+      f"over mesh axis {', '.join(twice)} twice; map the names a tensor has "
+      "together to different mesh axes"
+    )
   return PartitionSpec(*out)
 
 

@@ -18,6 +18,7 @@ import math
 import os
 import pathlib
 import re
+import sys
 from typing import NamedTuple
 
 from loopjax.errors import ConfigError
@@ -76,9 +77,10 @@ def gpu(spec: str) -> Target:
 
   from loopjax import compiled
 
+  dropped = []
   for _ in range(text.count("\n")):  # drop the fields this jaxlib predates
     try:
-      with compiled.logged() as log:
+      with compiled.logged(echo=False) as log:
         topology = topologies.get_topology_desc(
           topology_name=m[1],
           platform="cuda",
@@ -94,6 +96,12 @@ def gpu(spec: str) -> Target:
           f"({_reason(e)}); pip install -e '.[cuda12]' installs it"
         ) from None
       text = _without(text, unknown[1])
+      dropped.append(unknown[1])
+  if dropped:
+    print(
+      f"{m[1]}.txtpb: left out {', '.join(dropped)} (newer than this jaxlib)",
+      file=sys.stderr,
+    )
   field = lambda name: float(re.search(rf"\b{name}: (\d+)", text)[1])  # noqa: E731
   return Target(
     spec,

@@ -8,6 +8,9 @@ import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# CPU tests, whatever else is installed: the `targets` extra's libtpu and CUDA
+# plugin serve compile-only topologies (tests/test_launch.py), not devices.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for this session's processes (in-process
 # runs and every CLI subprocess): the suite compiles the same tiny programs
 # dozens of times. Fresh per session, so nothing carries over between runs;

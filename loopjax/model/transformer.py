@@ -58,7 +58,11 @@ class LoopedTransformer(nnx.Module):
   def embed_tokens(self, tokens_BT, offset=0):
     """Token (and absolute position) embeddings; `offset`: the first token's
     position (decoding with a cache; may be traced)."""
-    x_BTD = self.embed[tokens_BT]
+    # The table whole, as FSDP gathers any weight before use: a lookup in a
+    # table split over `embed` would reshard its (B, T, D) cotangent by full
+    # rematerialization in the backward scatter.
+    table_VD = sharding.constrain(self.embed[...], (None, None))
+    x_BTD = sharding.constrain(table_VD[tokens_BT], ("batch", None, None))
     if self.cfg.embed_scale != 1.0:  # Huginn, Gemma: sqrt(d_model)
       x_BTD = x_BTD * jnp.asarray(self.cfg.embed_scale, x_BTD.dtype)
     T, D = x_BTD.shape[1:]

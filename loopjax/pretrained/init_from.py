@@ -32,11 +32,13 @@ from loopjax.pretrained.load import load, split
 LOOPED = ("injection", "init_state", "state_norm", "exit_gate")
 
 
-def resolve(config):
+def resolve(config, tokenizer: bool = True):
   """`config` with DIR's model shape, data.tokenizer and data.vocab_size (a
   copy; a config without init_from as it is). Reads config.json and the
   tokenizer, no tensor: a split that does not add up, or a tokenizer whose
-  size is not the embedding's, fails here, before anything compiles."""
+  size is not the embedding's, fails here, before anything compiles.
+  `tokenizer` False: the shapes alone, from config.json (ahead-of-time
+  compiles of a published model's shape, experiments/hf_shapes)."""
   m = config.model
   if not m.init_from:
     return config
@@ -48,6 +50,11 @@ def resolve(config):
       f"model; got model_type {hf.get('model_type')!r}"
     )
   cfg, vocab_size, _ = llama.model_config(hf, m, split(config), m.num_loops)
+  out = config.copy_and_resolve_references()
+  out.model.update({k: v for k, v in cfg.items() if k not in LOOPED})
+  out.data.vocab_size = vocab_size
+  if not tokenizer:
+    return out
   tokenizer = path / "tokenizer.json"
   try:
     n = lm.tokenizer_from_json(tokenizer.read_text()).get_vocab_size()
@@ -61,9 +68,7 @@ def resolve(config):
       f"{vocab_size} rows (at most {lm.padded(n)} would be padding); a tokenizer "
       "from another model?"
     )
-  out = config.copy_and_resolve_references()
-  out.model.update({k: v for k, v in cfg.items() if k not in LOOPED})
-  out.data.update(tokenizer=str(tokenizer), vocab_size=vocab_size)
+  out.data.tokenizer = str(tokenizer)
   return out
 
 
