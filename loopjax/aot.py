@@ -64,6 +64,25 @@ def _batch(family, config, task, B: int, put) -> dict:
   }
 
 
+def _compile(lowered, what: str, target: str, fields: str):
+  """`lowered` compiled; a program the target's compiler finds too big for a
+  chip (TPU's refuses at compile time) is a ConfigError naming the `fields`
+  that size it."""
+  import jax
+
+  from loopjax.errors import ConfigError, first_line
+
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise ConfigError(
+      f"{fields}: {what} does not fit "
+      f"{target}: {first_line(e).removeprefix('RESOURCE_EXHAUSTED: ')}"
+    ) from None
+
+
 def check_pretrained(config, devices, target=None) -> dict:
   """A pretrained model's (`model.hf_dir`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
@@ -117,7 +136,12 @@ def check_pretrained(config, devices, target=None) -> dict:
   for name, (fn, arg) in passes.items():
     t = time.perf_counter()
     with compiled.logged() as log:
-      executable = jax.jit(fn).lower(model, arg).compile()
+      executable = _compile(
+        jax.jit(fn).lower(model, arg),
+        f"the {name} pass",
+        out["target"],
+        "analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+      )
     out["passes"][name] = compiled.memory(executable) | {
       "compile_s": time.perf_counter() - t
     }
@@ -149,13 +173,19 @@ def check(config, devices, target=None) -> dict:
   step = train.make_train_step(config, graphdef, tx, mesh, shardings)
   B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
   batch = _batch(family, config, task, B, put)
+  report_target = target.name if target else f"cpu:{len(devices)}"
   t = time.perf_counter()
   with compiled_lib.logged() as log:
-    compiled = step.lower(abstract, batch).compile()
+    compiled = _compile(
+      step.lower(abstract, batch),
+      "the train step",
+      report_target,
+      "train.batch_size, data.seq_len, mesh, model.remat",
+    )
   params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
   largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
   report = {
-    "target": target.name if target else f"cpu:{len(devices)}",
+    "target": report_target,
     "mesh": dict(mesh.shape),
     "compile_s": time.perf_counter() - t,
     "memory": compiled_lib.memory(compiled),

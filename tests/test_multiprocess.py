@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from conftest import CPU_ENV, cli, steps_on_disk
 
@@ -159,3 +160,31 @@ def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path):
   saved = [re.search(r"saved step (\d+)", log.read_text()).group(1) for log in logs]
   assert saved[0] == saved[1] and steps_on_disk(tmp_path / "run")[-1] == int(saved[0])
   assert all("SIGTERM (all processes)" in log.read_text() for log in logs)
+
+
+@pytest.mark.slow
+def test_processes_feed_their_rows_of_a_mesh_that_is_not_host_major(tmp_path):
+  """2 processes x 4 CPU devices, the mesh's devices alternating between them:
+  each process holds 4 separate spans of every batch. Every global batch has
+  each row fed by the process whose device holds it, 16 different examples,
+  and an epoch of 96 examples passes without one twice."""
+  out = tmp_path / "rows.npz"
+  cmd = [
+    sys.executable,
+    "launch/local.py",
+    "--num_processes=2",
+    "--devices_per_process=4",
+    "--",
+    sys.executable,
+    "tests/multiprocess_rows.py",
+    f"--out={out}",  # local.py appends the coordinator flags after it
+  ]
+  run = subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+  got = np.load(out)
+  seen, owner = got["seen"], got["owner"]  # (steps, 2, B), (B,)
+  assert list(owner) != sorted(owner)  # not one block per process
+  for examples, fed_by in seen:
+    assert (fed_by == owner).all()
+    assert len(set(examples)) == 16
+  assert len(set(seen[:, 0].ravel())) == 96  # 6 steps x 16: the whole epoch
