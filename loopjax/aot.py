@@ -83,20 +83,62 @@ def _compile(lowered, what: str, target: str, fields: str):
     ) from None
 
 
+def _passes(passes: dict, target: str, fields: str) -> tuple[dict, list]:
+  """Compiles each of `passes` ({name: (jitted fn, args)}): ({name: memory
+  and compile time}, XLA's rematerialization warnings)."""
+  import time
+
+  from loopjax import compiled
+
+  out, remat = {}, []
+  for name, (fn, args) in passes.items():
+    t = time.perf_counter()
+    with compiled.logged() as log:
+      executable = _compile(fn.lower(*args), f"the {name} pass", target, fields)
+    out[name] = compiled.memory(executable) | {"compile_s": time.perf_counter() - t}
+    remat += [x for x in log if compiled.REMAT in x]
+  return out, remat
+
+
+def _analysis(config, mesh, family, task, model) -> tuple:
+  """The MECH analyses' streamed pass (`depth_scan`) to analyze.max_depth
+  iterations over analyze.batch_size windows, on every device whole:
+  (name, (jitted fn, args))."""
+  import jax
+
+  from loopjax import sharding
+  from loopjax.analysis import depth_scan
+
+  a, rules, put = (
+    config.analyze,
+    tuple(config.sharding.rules),
+    sharding.replicated(mesh),
+  )
+  B, T = a.batch_size, task.seq_len
+  batch = _batch(family, config, task, B, put) | {
+    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put)
+  }
+
+  def analysis(model, batch):
+    with sharding.active(mesh, rules):
+      key = jax.random.key(config.seed)  # a random first state (Huginn's)
+      return depth_scan.run(model.module(), batch, a.max_depth, key)
+
+  name = f"analysis, {a.max_depth} iterations, {B} x {T} tokens"
+  return name, (jax.jit(analysis), (model, batch))
+
+
 def check_pretrained(config, devices, target=None) -> dict:
   """A pretrained model's (`model.hf_dir`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
   recurrences over analyze.batch_size prompts of data.seq_len tokens, and
   the forward at model.num_loops, its params in model.dtype sharded by the
   rules; returns each one's memory, compile time and XLA's warnings."""
-  import time
-
   import jax
   import numpy as np
 
-  from loopjax import compiled, sharding
+  from loopjax import sharding
   from loopjax import task as task_lib
-  from loopjax.analysis import depth_scan
   from loopjax.pretrained import load
 
   m, rules = config.model, tuple(config.sharding.rules)
@@ -104,50 +146,60 @@ def check_pretrained(config, devices, target=None) -> dict:
   cfg, model = load.abstract(
     m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
   )
-  B, T, put = config.analyze.batch_size, config.data.seq_len, sharding.replicated(mesh)
   family = task_lib.for_config(config)
-  batch = _batch(family, config, family.without_examples(config), B, put) | {
-    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put)
-  }
-  tokens = batch["inputs"]
-
-  def analysis(model, batch):
-    with sharding.active(mesh, rules):
-      key = jax.random.key(config.seed)  # a random first state (Huginn's)
-      return depth_scan.run(model.module(), batch, config.analyze.max_depth, key)
+  task = family.without_examples(config)
+  name, analysis = _analysis(config, mesh, family, task, model)
+  tokens = analysis[1][1]["inputs"]
 
   def forward(model, tokens_BT):
     with sharding.active(mesh, rules):
       key = jax.random.key(config.seed)
       return model.module()(tokens_BT, None, num_loops=cfg.num_loops, key=key)
 
-  passes = {
-    f"analysis, {config.analyze.max_depth} recurrences": (analysis, batch),
-    f"forward, {cfg.num_loops} recurrences": (forward, tokens),
-  }
+  where = target.name if target else f"cpu:{len(devices)}"
+  passes, remat = _passes(
+    {
+      name: analysis,
+      f"forward, {cfg.num_loops} iterations": (jax.jit(forward), (model, tokens)),
+    },
+    where,
+    "analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+  )
   out = {
-    "target": target.name if target else f"cpu:{len(devices)}",
+    "target": where,
     "capacity": target.bytes_per_device if target else None,
     "mesh": dict(mesh.shape),
-    "batch": [B, T],
-    "passes": {},
-    "rematerialized": [],
+    "batch": list(tokens.shape),
+    "passes": passes,
+    "rematerialized": remat,
   }
-  for name, (fn, arg) in passes.items():
-    t = time.perf_counter()
-    with compiled.logged() as log:
-      executable = _compile(
-        jax.jit(fn).lower(model, arg),
-        f"the {name} pass",
-        out["target"],
-        "analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
-      )
-    out["passes"][name] = compiled.memory(executable) | {
-      "compile_s": time.perf_counter() - t
-    }
-    out["rematerialized"] += [x for x in log if compiled.REMAT in x]
   params = jax.tree_util.tree_flatten_with_path(model.params)[0]
   out["params"] = sum(int(np.prod(x.shape)) for _, x in params)
+  return out
+
+
+def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> dict:
+  """A run's passes besides the train step: evaluation at its deepest
+  iteration count over eval.batch_size rows (rounded up to the batch's
+  split, as the evaluators do), and the streamed analysis pass where the
+  run's analyses use it."""
+  import math
+
+  from loopjax import config as config_lib
+  from loopjax import sharding, state
+  from loopjax.names import LM_STREAMED
+
+  rules = tuple(config.sharding.rules)
+  split = sharding.batch_split(mesh, rules)
+  B = split * math.ceil(config.eval.batch_size / split)
+  batch = _batch(family, config, task, B, sharding.batch_sharding(mesh, rules))
+  step = family.eval_step(config, graphdef, mesh, shardings["params"])
+  out = {f"evaluation, {B} rows": (step, (abstract["params"], batch))}
+  streamed = set(config_lib.analyses(config)) & set(LM_STREAMED)
+  if family.reads_every_position and streamed:  # a language model's windows
+    model = state.Model(graphdef, abstract["params"], config.model.dtype)
+    name, analysis = _analysis(config, mesh, family, task, model)
+    out[name] = analysis
   return out
 
 
@@ -196,6 +248,12 @@ def check(config, devices, target=None) -> dict:
       for path, x in largest
     ],
   }
+  report["passes"], remat = _passes(
+    _other_passes(config, family, task, mesh, graphdef, abstract, shardings),
+    report_target,
+    "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+  )
+  report["rematerialized"] += remat
   if target is None:
     return report
   V, T = task.model_dims()
@@ -216,6 +274,20 @@ def check(config, devices, target=None) -> dict:
   }
 
 
+def _pass_lines(passes: dict, cap) -> list[str]:
+  """Each pass's memory per device (arguments, temporaries, outputs, peak),
+  compile time and, on a target, whether it fits."""
+  out = []
+  for name, mem in passes.items():
+    line = f"  {name}: " + ", ".join(_gib(mem[k]) for k in list(mem)[:4])
+    line += f"; {mem['compile_s']:.1f} s"
+    if cap is not None:
+      fits = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
+      line += f"; {fits}, headroom {_gib(cap - mem['peak'])}"
+    out.append(line)
+  return out
+
+
 def _pretrained_table(report: dict, config) -> list[str]:
   """A pretrained model's passes as lines."""
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
@@ -224,16 +296,9 @@ def _pretrained_table(report: dict, config) -> list[str]:
     f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
     f"{config.model.dtype}, batch {B} x {T} tokens, mesh {mesh} on "
     f"{report['target']}",
-    "per device: arguments, temporaries, outputs, peak; compile time",
+    "memory per device (arguments, temporaries, outputs, peak); compile time:",
   ]
-  cap = report["capacity"]
-  for name, mem in report["passes"].items():
-    line = f"  {name:<28} " + ", ".join(_gib(mem[k]) for k in list(mem)[:4])
-    line += f"; {mem['compile_s']:.1f} s"
-    if cap is not None:
-      fits = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
-      line += f"; {fits} in {_gib(cap)}, headroom {_gib(cap - mem['peak'])}"
-    out.append(line)
+  out += _pass_lines(report["passes"], report["capacity"])
   if n := len(report["rematerialized"]):
     out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
   return out
@@ -278,6 +343,8 @@ def _table(report: dict) -> list[str]:
         f"counted once): MFU at most {report['mfu_bound']:.0%}"
       )
     out.append(line)
+  out.append("other passes, memory per device (arguments, temporaries, outputs, peak):")
+  out += _pass_lines(report["passes"], cap)
   if n := len(report["rematerialized"]):
     out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
   out.append("largest parameters: shape -> spec")

@@ -38,6 +38,10 @@ class Family(Protocol):
     (results per split and depth, per example)` and `run_all(params) -> (flat
     metrics, results per split and depth)`."""
 
+  def eval_step(self, config, graphdef, mesh=None, shardings=None):
+    """The evaluator's jitted (params, batch) step at the deepest iteration
+    count `--mode=eval` reads (ahead-of-time compiles)."""
+
   def after_eval(self, config, step, metrics, phases, train_iter, state, tx):
     """(state, the phases reached at this evaluation): what the evaluation's
     `metrics` decide, given the `phases` reached before; a curriculum moves

@@ -28,6 +28,31 @@ def logits_per_iteration(model: Model, batch, num_loops: int, key):
   return logits_RBV
 
 
+def eval_step(config, graphdef, deepest: int, mesh=None, param_shardings=None):
+  """Jitted (params, batch) -> (cross-entropy, whether the argmax is right),
+  each (deepest, B): per depth 1..deepest and example. With a mesh: batches
+  split over it, results replicated."""
+  key, dtype, rules = eval_key(config), config.model.dtype, config.sharding.rules
+
+  def step(params, batch):
+    with sharding.active(mesh, rules):
+      model = Model(graphdef, params, dtype)
+      logits_RBV = logits_per_iteration(model, batch, deepest, key)
+      target_B = batch["target"]
+      loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
+        logits_RBV, target_B
+      )
+      return loss_RB, logits_RBV.argmax(-1) == target_B[None]
+
+  if mesh is None:
+    return jax.jit(step)
+  return jax.jit(
+    step,
+    in_shardings=(param_shardings, sharding.batch_sharding(mesh, rules)),
+    out_shardings=sharding.replicated(mesh),
+  )
+
+
 class Evaluator:
   """Evaluates params on the task's probe splits (`data.probes`)."""
 
@@ -44,33 +69,14 @@ class Evaluator:
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
     # A multiple of the split (eval_batches pads the last batch).
     self.batch_size = split * math.ceil(min(config.eval.batch_size, longest) / split)
-    key, dtype, R_eval = eval_key(config), config.model.dtype, self.depths[-1]
-
-    def eval_step(params, batch):
-      """Per example and depth: cross-entropy and whether the argmax is right."""
-      with sharding.active(mesh, config.sharding.rules):
-        return _eval_step(params, batch)
-
-    def _eval_step(params, batch):
-      model = Model(graphdef, params, dtype)
-      logits_RBV = logits_per_iteration(model, batch, R_eval, key)
-      target_B = batch["target"]
-      loss_RB = jax.vmap(optax.softmax_cross_entropy_with_integer_labels, (0, None))(
-        logits_RBV, target_B
-      )
-      return loss_RB, logits_RBV.argmax(-1) == target_B[None]
-
+    self._eval_step = eval_step(
+      config, graphdef, self.depths[-1], mesh, param_shardings
+    )
     if mesh is None:
-      self._eval_step = jax.jit(eval_step)
       self._put = lambda batch: batch
     else:
-      batch_sharding = sharding.batch_sharding(mesh, config.sharding.rules)
-      self._eval_step = jax.jit(
-        eval_step,
-        in_shardings=(param_shardings, batch_sharding),
-        out_shardings=sharding.replicated(mesh),
-      )
-      self._put = lambda batch: sharding.global_from_full(batch, batch_sharding)
+      put = sharding.batch_sharding(mesh, config.sharding.rules)
+      self._put = lambda batch: sharding.global_from_full(batch, put)
 
   def per_example(self, params, split):
     """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""

@@ -6,8 +6,7 @@ import numpy as np
 from loopjax import data, loss
 from loopjax.data import kg
 from loopjax.errors import ConfigError
-from loopjax.kg import curriculum, grokking
-from loopjax.kg.evaluate import Evaluator
+from loopjax.kg import curriculum, evaluate, grokking
 
 
 class _KnowledgeGraph:
@@ -24,10 +23,14 @@ class _KnowledgeGraph:
     return curriculum.train_iterator(config, task, rows)
 
   def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
-    return Evaluator(graphdef, config, task, depths, mesh, shardings)
+    return evaluate.Evaluator(graphdef, config, task, depths, mesh, shardings)
 
   def eval_depths(self, config) -> list[int]:
     return list(config.eval.depths) or [config.model.num_loops]
+
+  def eval_step(self, config, graphdef, mesh=None, shardings=None):
+    deepest = max(self.eval_depths(config) + [config.model.num_loops])
+    return evaluate.eval_step(config, graphdef, deepest, mesh, shardings)
 
   def eval_table(self, config, report: dict):
     rows = [(name, res["acc"]) for name, res in report["splits"].items()]

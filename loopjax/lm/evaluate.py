@@ -54,6 +54,24 @@ def unigram_loss(task, batches) -> float:
   return total / sum(float(b["mask"].sum()) for b in batches)
 
 
+def eval_step(config, graphdef, deepest: int, mesh=None, param_shardings=None):
+  """Jitted (params, batch) -> `per_iteration_sums` for iterations 1..deepest.
+  With a mesh: batches split over it, sums replicated."""
+  key, dtype, rules = eval_key(config), config.model.dtype, config.sharding.rules
+
+  def step(params, batch):
+    with sharding.active(mesh, rules):
+      return per_iteration_sums(Model(graphdef, params, dtype), batch, deepest, key)
+
+  if mesh is None:
+    return jax.jit(step)
+  return jax.jit(
+    step,
+    in_shardings=(param_shardings, sharding.batch_sharding(mesh, rules)),
+    out_shardings=sharding.replicated(mesh),
+  )
+
+
 class LmEvaluator:
   """Validation loss, perplexity and next-token accuracy per iteration count."""
 
@@ -68,23 +86,12 @@ class LmEvaluator:
       min(config.eval.batch_size, len(self.windows)) / split
     )
     self.unigram_loss = unigram_loss(task, list(self._batches()))
-    key, dtype, R_eval = eval_key(config), config.model.dtype, self.depths[-1]
-    rules = config.sharding.rules
-
-    def eval_step(params, batch):
-      with sharding.active(mesh, rules):
-        return per_iteration_sums(Model(graphdef, params, dtype), batch, R_eval, key)
-
+    self._step = eval_step(config, graphdef, self.depths[-1], mesh, param_shardings)
     if mesh is None:
-      self._step, self._put = jax.jit(eval_step), lambda b: b
+      self._put = lambda b: b
     else:
-      batch_sharding = sharding.batch_sharding(mesh, rules)
-      self._step = jax.jit(
-        eval_step,
-        in_shardings=(param_shardings, batch_sharding),
-        out_shardings=sharding.replicated(mesh),
-      )
-      self._put = lambda b: sharding.global_from_full(b, batch_sharding)
+      put = sharding.batch_sharding(mesh, config.sharding.rules)
+      self._put = lambda b: sharding.global_from_full(b, put)
 
   def _batches(self):
     stream, B = self.data.streams["validation"], self.batch_size

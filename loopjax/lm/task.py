@@ -38,6 +38,10 @@ class LanguageModel:
   def eval_depths(self, config) -> list[int]:
     return evaluate.depths(config)
 
+  def eval_step(self, config, graphdef, mesh=None, shardings=None):
+    deepest = evaluate.depths(config)[-1]
+    return evaluate.eval_step(config, graphdef, deepest, mesh, shardings)
+
   def eval_table(self, config, report: dict):
     """Loss, perplexity and accuracy at 1, R and the even iteration counts."""
     R, splits = config.model.num_loops, report["splits"]
