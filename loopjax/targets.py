@@ -14,6 +14,7 @@ memory per device is the chip's divided among the devices libtpu shows for it
 (v4 and v5p show each of a chip's two TensorCores).
 """
 
+import importlib.util
 import math
 import os
 import pathlib
@@ -146,9 +147,10 @@ def tpu(spec: str) -> Target:
       topology_name=name, platform="tpu", num_slices=slices
     )
   except Exception as e:  # no libtpu, or a topology it does not know
+    have = importlib.util.find_spec("libtpu") is not None
     raise ConfigError(
-      f"--target={spec}: libtpu cannot describe it ({_reason(e)}); "
-      "pip install -e '.[tpu]' installs libtpu"
+      f"--target={spec}: libtpu cannot describe it ({_reason(e)})"
+      + ("" if have else "; pip install -e '.[tpu]' installs libtpu")
     ) from None
   chip, chips = TPUS[gen], math.prod(dims) * slices
   share = chips / len(topology.devices)  # of a chip, per device
