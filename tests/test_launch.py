@@ -166,19 +166,23 @@ def test_aot_compiles_for_a_tpu_slice_with_its_kernels():
   """libtpu's compile-only v5e chips (the `tpu` extra; skipped without it):
   the LM step compiles with the accelerator attention, memory against 16 GiB."""
   pytest.importorskip("libtpu")
-  out = _aot(
-    "--target=tpu:v5e:2x2",
-    "--config.mesh.devices=0",
-    "--config.mesh.data=2",
-    "--config.mesh.fsdp=2",
-    config="experiments/lm.py:tiny",
-  )
+  flags = ("--target=tpu:v5e:2x2", "--config.mesh.devices=0", "--config.mesh.data=2")
+  out = _aot(*flags, "--config.mesh.fsdp=2", config="experiments/lm.py:tiny")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "mesh data 2 x fsdp 2 x tensor 1 on tpu:v5e:2x2 (compiled for it)" in (
     out.stdout
   )
   assert re.search(r"capacity +16\.000 GiB: fits, headroom", out.stdout)
   assert "MFU at most" in out.stdout
+  # libtpu refuses a program too big for a chip: one line naming the fields
+  big = ("--config.data.seq_len=8192", "--config.train.batch_size=64")
+  out = _aot(*flags, "--config.mesh.fsdp=2", *big, config="experiments/lm.py:tiny")
+  assert out.returncode == 2
+  assert re.fullmatch(
+    r"error: train\.batch_size, data\.seq_len, mesh, model\.remat: the train step "
+    r"does not fit tpu:v5e:2x2: Ran out of memory on HBM.*",
+    out.stderr.strip(),
+  ), out.stderr[-2000:]
 
 
 @pytest.mark.slow
