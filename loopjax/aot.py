@@ -195,12 +195,35 @@ def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> 
   batch = _batch(family, config, task, B, sharding.batch_sharding(mesh, rules))
   step = family.eval_step(config, graphdef, mesh, shardings["params"])
   out = {f"evaluation, {B} rows": (step, (abstract["params"], batch))}
-  streamed = set(config_lib.analyses(config)) & set(LM_STREAMED)
-  if family.reads_every_position and streamed:  # a language model's windows
-    model = state.Model(graphdef, abstract["params"], config.model.dtype)
+  if not family.reads_every_position:  # a language model's windows below
+    return out
+  model = state.Model(graphdef, abstract["params"], config.model.dtype)
+  if set(config_lib.analyses(config)) & set(LM_STREAMED):
     name, analysis = _analysis(config, mesh, family, task, model)
     out[name] = analysis
-  return out
+  return out | _sampling(config, task, model)
+
+
+def _sampling(config, task, model) -> dict:
+  """`--mode=sample`'s two programs for one prompt of half a window, its
+  cache as long as the window: the prefill and one new token."""
+  import jax
+  import jax.numpy as jnp
+
+  from loopjax.lm import sample
+
+  T, S, R = task.seq_len // 2, task.seq_len, config.model.num_loops
+  cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  token, offset = jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(T)
+  return {
+    f"sampling, prefill of {T} tokens": (sample.prefill, (model, tokens, cache, key)),
+    f"sampling, one token (cache of {S})": (
+      sample.decode_step,
+      (model, token, cache, offset, key),
+    ),
+  }
 
 
 def check(config, devices, target=None) -> dict:

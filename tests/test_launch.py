@@ -221,6 +221,16 @@ def test_aot_compiles_a_language_model_step():
   assert "mesh data 4 x fsdp 2 x tensor 1 on cpu:8 (XLA:CPU)" in out.stdout
   assert re.search(r"temporaries +\d+\.\d+ GiB", out.stdout), out.stdout
   assert "['embed']" in out.stdout
+  # every pass a run uses: evaluation to R, the streamed analysis, sampling
+  for name in (
+    "evaluation, 16 rows",
+    "analysis, 4 iterations, 8 x 32 tokens",
+    "sampling, prefill of 16 tokens",
+    "sampling, one token (cache of 32)",
+  ):
+    assert re.search(
+      rf"  {re.escape(name)}: (\d+\.\d+ GiB, ){{3}}\d+\.\d+ GiB", out.stdout
+    )
 
 
 def test_aot_refuses_rules_that_split_a_tensor_twice_over_one_mesh_axis():

@@ -20,6 +20,21 @@ from loopjax.lm import prompts
 from loopjax.state import Model
 
 
+@jax.jit
+def prefill(model: Model, tokens_BT, cache, key):
+  """The prompt in one call: the last position's logits (B, V), the cache
+  filled. `key`: a random initial state's (Huginn's)."""
+  logits_BTV, cache = model.module().decode(tokens_BT, cache, 0, key)
+  return logits_BTV[:, -1], cache
+
+
+@jax.jit
+def decode_step(model: Model, token_B, cache, offset, key):
+  """One new token at position `offset` (traced: one program for all)."""
+  logits_BTV, cache = model.module().decode(token_B[:, None], cache, offset, key)
+  return logits_BTV[:, 0], cache
+
+
 def generate(
   model: Model,
   prompt_BT,
@@ -35,19 +50,7 @@ def generate(
   (B, max_new_tokens, V)). temperature 0: greedy; top_k > 0: sample among
   the k likeliest. Stops early only where every row has produced eos_id."""
   B, T = prompt_BT.shape
-  length = T + max_new_tokens
-  module = model.module()
-  cache = module.init_cache(B, length, num_loops, model.dtype)
-
-  @jax.jit
-  def prefill(model, tokens_BT, cache, key):
-    logits_BTV, cache = model.module().decode(tokens_BT, cache, 0, key)
-    return logits_BTV[:, -1], cache
-
-  @jax.jit
-  def step(model, token_B, cache, offset, key):  # key: a random initial state
-    logits_BTV, cache = model.module().decode(token_B[:, None], cache, offset, key)
-    return logits_BTV[:, 0], cache
+  cache = model.module().init_cache(B, T + max_new_tokens, num_loops, model.dtype)
 
   def choose(logits_BV, key):
     if temperature <= 0:
@@ -69,7 +72,8 @@ def generate(
     if eos_id is not None and bool((token_B == eos_id).all()):
       break
     if i + 1 < max_new_tokens:
-      logits_BV, cache = step(model, token_B, cache, jnp.int32(T + i), keys[i, 1])
+      offset = jnp.int32(T + i)
+      logits_BV, cache = decode_step(model, token_B, cache, offset, keys[i, 1])
   tokens = np.concatenate([np.asarray(prompt_BT), np.stack(out, 1)], 1)
   return tokens, np.stack(seen, 1)
 
