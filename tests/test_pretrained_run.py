@@ -180,7 +180,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
   by 4 (norm scales and biases stay whole: a third of this tiny model's)."""
   import jax
 
-  from loopjax import aot
+  from loopjax import passes
 
   shape_only = tmp_path / "huginn"
   shape_only.mkdir()
@@ -189,7 +189,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
   for fsdp in (1, 4):
     c = config("huginn", "huginn", hf_dir=str(shape_only))
     c.mesh.update(data=1, fsdp=fsdp, tensor=1)
-    reports.append(aot.check_pretrained(c, jax.devices()[:fsdp]))
+    reports.append(passes.check_pretrained(c, jax.devices()[:fsdp]))
   one, four = (
     next(v for k, v in r["passes"].items() if k.startswith("analysis, 6 iterations"))
     for r in reports

@@ -1,0 +1,230 @@
+"""Every program a run compiles, lowered from abstract shapes and compiled
+for a mesh (forced CPU devices or a target's compile-only chips): the train
+step, evaluation at its deepest iteration count, a language model's
+streamed analysis pass and sampling, a pretrained model's analysis and
+forward. Each reports memory per device, compile time and XLA's warnings
+(`python -m loopjax.aot` prints them)."""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopjax import compiled, sharding, state, train
+from loopjax import config as config_lib
+from loopjax import task as task_lib
+from loopjax.analysis import depth_scan
+from loopjax.bench import measure
+from loopjax.errors import ConfigError, first_line
+from loopjax.lm import sample
+from loopjax.names import LM_STREAMED
+from loopjax.pretrained import load
+
+
+def _batch(family, config, task, B: int, put) -> dict:
+  """The family's batch of B rows as abstract arrays placed by `put`."""
+  return {
+    k: jax.ShapeDtypeStruct(shape, dtype, sharding=put)
+    for k, (shape, dtype) in family.batch_shapes(config, task, B).items()
+  }
+
+
+def _compile(lowered, what: str, target: str, fields: str):
+  """`lowered` compiled; a program the target's compiler finds too big for a
+  chip (TPU's refuses at compile time) is a ConfigError naming the `fields`
+  that size it."""
+
+  try:
+    return lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    raise ConfigError(
+      f"{fields}: {what} does not fit "
+      f"{target}: {first_line(e).removeprefix('RESOURCE_EXHAUSTED: ')}"
+    ) from None
+
+
+def _compile_all(passes: dict, target: str, fields: str) -> tuple[dict, list]:
+  """Compiles each of `passes` ({name: (jitted fn, args)}): ({name: memory
+  and compile time}, XLA's rematerialization warnings)."""
+
+  out, remat = {}, []
+  for name, (fn, args) in passes.items():
+    t = time.perf_counter()
+    with compiled.logged() as log:
+      executable = _compile(fn.lower(*args), f"the {name} pass", target, fields)
+    out[name] = compiled.memory(executable) | {"compile_s": time.perf_counter() - t}
+    remat += [x for x in log if compiled.REMAT in x]
+  return out, remat
+
+
+def _analysis(config, mesh, family, task, model) -> tuple:
+  """The MECH analyses' streamed pass (`depth_scan`) to analyze.max_depth
+  iterations over analyze.batch_size windows, on every device whole:
+  (name, (jitted fn, args))."""
+
+  a, rules, put = (
+    config.analyze,
+    tuple(config.sharding.rules),
+    sharding.replicated(mesh),
+  )
+  B, T = a.batch_size, task.seq_len
+  batch = _batch(family, config, task, B, put) | {
+    "real": jax.ShapeDtypeStruct((B, T), bool, sharding=put)
+  }
+
+  def analysis(model, batch):
+    with sharding.active(mesh, rules):
+      key = jax.random.key(config.seed)  # a random first state (Huginn's)
+      return depth_scan.run(model.module(), batch, a.max_depth, key)
+
+  name = f"analysis, {a.max_depth} iterations, {B} x {T} tokens"
+  return name, (jax.jit(analysis), (model, batch))
+
+
+def check_pretrained(config, devices, target=None) -> dict:
+  """A pretrained model's (`model.hf_dir`: config.json is all it reads):
+  lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
+  recurrences over analyze.batch_size prompts of data.seq_len tokens, and
+  the forward at model.num_loops, its params in model.dtype sharded by the
+  rules; returns each one's memory, compile time and XLA's warnings."""
+
+  m, rules = config.model, tuple(config.sharding.rules)
+  mesh = sharding.make_mesh(config.mesh, devices)
+  cfg, model = load.abstract(
+    m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
+  )
+  family = task_lib.for_config(config)
+  task = family.without_examples(config)
+  name, analysis = _analysis(config, mesh, family, task, model)
+  tokens = analysis[1][1]["inputs"]
+
+  def forward(model, tokens_BT):
+    with sharding.active(mesh, rules):
+      key = jax.random.key(config.seed)
+      return model.module()(tokens_BT, None, num_loops=cfg.num_loops, key=key)
+
+  where = target.name if target else f"cpu:{len(devices)}"
+  passes, remat = _compile_all(
+    {
+      name: analysis,
+      f"forward, {cfg.num_loops} iterations": (jax.jit(forward), (model, tokens)),
+    },
+    where,
+    "analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+  )
+  out = {
+    "target": where,
+    "capacity": target.bytes_per_device if target else None,
+    "mesh": dict(mesh.shape),
+    "batch": list(tokens.shape),
+    "passes": passes,
+    "rematerialized": remat,
+  }
+  params = jax.tree_util.tree_flatten_with_path(model.params)[0]
+  out["params"] = sum(int(np.prod(x.shape)) for _, x in params)
+  return out
+
+
+def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> dict:
+  """A run's passes besides the train step: evaluation at its deepest
+  iteration count over eval.batch_size rows (rounded up to the batch's
+  split, as the evaluators do), and the streamed analysis pass where the
+  run's analyses use it."""
+
+  rules = tuple(config.sharding.rules)
+  split = sharding.batch_split(mesh, rules)
+  B = split * math.ceil(config.eval.batch_size / split)
+  batch = _batch(family, config, task, B, sharding.batch_sharding(mesh, rules))
+  step = family.eval_step(config, graphdef, mesh, shardings["params"])
+  out = {f"evaluation, {B} rows": (step, (abstract["params"], batch))}
+  if not family.reads_every_position:  # a language model's windows below
+    return out
+  model = state.Model(graphdef, abstract["params"], config.model.dtype)
+  if set(config_lib.analyses(config)) & set(LM_STREAMED):
+    name, analysis = _analysis(config, mesh, family, task, model)
+    out[name] = analysis
+  return out | _sampling(config, task, model)
+
+
+def _sampling(config, task, model) -> dict:
+  """`--mode=sample`'s two programs for one prompt of half a window, its
+  cache as long as the window: the prefill and one new token."""
+
+  T, S, R = task.seq_len // 2, task.seq_len, config.model.num_loops
+  cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  token, offset = jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(T)
+  return {
+    f"sampling, prefill of {T} tokens": (sample.prefill, (model, tokens, cache, key)),
+    f"sampling, one token (cache of {S})": (
+      sample.decode_step,
+      (model, token, cache, offset, key),
+    ),
+  }
+
+
+def check(config, devices, target=None) -> dict:
+  """Lowers and compiles the train step for a mesh over `devices`; returns
+  the report (`target`: the chips' figures, if they are a target's)."""
+
+  family = task_lib.for_config(config)
+  task = family.without_examples(config)
+  mesh = sharding.run_mesh(config, devices).mesh
+  graphdef, abstract, tx, shardings = state.sharded_train_state(
+    config, task, mesh, abstract=True
+  )
+  step = train.make_train_step(config, graphdef, tx, mesh, shardings)
+  B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
+  batch = _batch(family, config, task, B, put)
+  report_target = target.name if target else f"cpu:{len(devices)}"
+  t = time.perf_counter()
+  with compiled.logged() as log:
+    executable = _compile(
+      step.lower(abstract, batch),
+      "the train step",
+      report_target,
+      "train.batch_size, data.seq_len, mesh, model.remat",
+    )
+  params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
+  largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
+  report = {
+    "target": report_target,
+    "mesh": dict(mesh.shape),
+    "compile_s": time.perf_counter() - t,
+    "memory": compiled.memory(executable),
+    "collectives": compiled.collectives(executable.as_text()),
+    "rematerialized": [x for x in log if compiled.REMAT in x],
+    "largest": [
+      (jax.tree_util.keystr(path), x.shape, tuple(x.sharding.spec))
+      for path, x in largest
+    ],
+  }
+  report["passes"], remat = _compile_all(
+    _other_passes(config, family, task, mesh, graphdef, abstract, shardings),
+    report_target,
+    "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+  )
+  report["rematerialized"] += remat
+  if target is None:
+    return report
+  V, T = task.model_dims()
+  flops = measure.model_flops(config, T, V) / len(devices)  # per device
+  cost = executable.cost_analysis()  # None from XLA's GPU compiler
+  cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  moved = float(cost.get("bytes accessed", 0.0))
+  bound = {
+    "compute_s": flops / target.peak_flops_per_device,
+    "hbm_s": moved / target.hbm_bytes_per_s_per_device,  # 0: not reported
+  }
+  return report | {
+    "capacity": target.bytes_per_device,
+    "model_flops_per_device": flops,
+    "xla_bytes_accessed": moved,
+    "step_s_bound": bound,
+    "mfu_bound": bound["compute_s"] / max(bound.values()) if moved else None,
+  }
