@@ -14,8 +14,9 @@ evaluation, a language model's analysis pass and sampling) is lowered and
 compiled from abstract shapes (nothing is initialized, no data are
 generated: the vocabulary and sequence length come from the config;
 `model.init_from`'s from its config.json). Mesh, rule and shape errors show
-here instead of on pod time. The report, per device: memory (arguments = its shard of the state and
-batch, temporaries, outputs, peak) against the chip's, compile time, the
+here instead of on pod time. The report, per device: memory (arguments =
+its shard of the state and batch, temporaries, outputs, peak) against the
+chip's, compile time, the
 collectives in the compiled HLO, XLA's warnings (on a target an involuntary
 rematerialization fails the check unless --allow_remat), and on a target the
 step time the chips' peak FLOP/s and HBM bandwidth bound it to.
@@ -161,6 +162,8 @@ def main(argv):
       report = passes.check(config, devices, target)
   except ConfigError as e:
     exit_with(str(e))
+  except passes.CompileFailed as e:
+    exit_with(str(e), code=1)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=2, default=str)
@@ -177,6 +180,11 @@ if __name__ == "__main__":
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
   )
+  if any(a.startswith("--target=gpu:") for a in sys.argv):
+    # Compiled without a GPU, XLA cannot autotune, and the Triton tiling it
+    # then assumes fails on some GEMMs ("Couldn't find output tile sizes",
+    # the paper extrapolation config's evaluation): cuBLAS ones compile.
+    os.environ["XLA_FLAGS"] += " --xla_gpu_enable_triton_gemm=false"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from loopjax import xla
 

@@ -31,19 +31,24 @@ def _batch(family, config, task, B: int, put) -> dict:
   }
 
 
+class CompileFailed(RuntimeError):
+  """The target's compiler failed on a program (its bug, not the config's)."""
+
+
 def _compile(lowered, what: str, target: str, fields: str):
   """`lowered` compiled; a program the target's compiler finds too big for a
   chip (TPU's refuses at compile time) is a ConfigError naming the `fields`
-  that size it."""
-
+  that size it, any other failure a CompileFailed naming the pass."""
   try:
     return lowered.compile()
   except jax.errors.JaxRuntimeError as e:
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
-    raise ConfigError(
-      f"{fields}: {what} does not fit "
-      f"{target}: {first_line(e).removeprefix('RESOURCE_EXHAUSTED: ')}"
+    if "RESOURCE_EXHAUSTED" in str(e):
+      raise ConfigError(
+        f"{fields}: {what} does not fit "
+        f"{target}: {first_line(e).removeprefix('RESOURCE_EXHAUSTED: ')}"
+      ) from None
+    raise CompileFailed(
+      f"XLA failed to compile {what} for {target}: {first_line(e)}"
     ) from None
 
 
