@@ -246,6 +246,7 @@ def test_aot_refuses_rules_that_split_a_tensor_twice_over_one_mesh_axis():
   ]
 
 
+@pytest.mark.slow  # ~20 s: the default suite stays under 6 minutes
 def test_aot_compiles_a_retrofit_from_the_models_config_json_alone(tmp_path):
   """model.init_from's shapes come from its config.json (no tokenizer, no
   tensors: experiments/hf_shapes); the 3-layer Llama split 1,1,1."""
