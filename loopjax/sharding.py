@@ -264,6 +264,18 @@ def constrain(x, logical):
   return jax.lax.with_sharding_constraint(x, spec(logical, rules, x.shape, mesh))
 
 
+def jit_over_batch(fn, mesh, rules, param_shardings):
+  """`fn(params, batch)` jitted: with a mesh, batches split over the `batch`
+  rule, params placed by `param_shardings`, results replicated (evaluation)."""
+  if mesh is None:
+    return jax.jit(fn)
+  return jax.jit(
+    fn,
+    in_shardings=(param_shardings, batch_sharding(mesh, rules)),
+    out_shardings=replicated(mesh),
+  )
+
+
 def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
 

@@ -44,13 +44,7 @@ def eval_step(config, graphdef, deepest: int, mesh=None, param_shardings=None):
       )
       return loss_RB, logits_RBV.argmax(-1) == target_B[None]
 
-  if mesh is None:
-    return jax.jit(step)
-  return jax.jit(
-    step,
-    in_shardings=(param_shardings, sharding.batch_sharding(mesh, rules)),
-    out_shardings=sharding.replicated(mesh),
-  )
+  return sharding.jit_over_batch(step, mesh, rules, param_shardings)
 
 
 class Evaluator:

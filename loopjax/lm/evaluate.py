@@ -63,13 +63,7 @@ def eval_step(config, graphdef, deepest: int, mesh=None, param_shardings=None):
     with sharding.active(mesh, rules):
       return per_iteration_sums(Model(graphdef, params, dtype), batch, deepest, key)
 
-  if mesh is None:
-    return jax.jit(step)
-  return jax.jit(
-    step,
-    in_shardings=(param_shardings, sharding.batch_sharding(mesh, rules)),
-    out_shardings=sharding.replicated(mesh),
-  )
+  return sharding.jit_over_batch(step, mesh, rules, param_shardings)
 
 
 class LmEvaluator:
