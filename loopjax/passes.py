@@ -55,7 +55,6 @@ def _compile(lowered, what: str, target: str, fields: str):
 def _compile_all(passes: dict, target: str, fields: str) -> tuple[dict, list]:
   """Compiles each of `passes` ({name: (jitted fn, args)}): ({name: memory
   and compile time}, XLA's rematerialization warnings)."""
-
   out, remat = {}, []
   for name, (fn, args) in passes.items():
     t = time.perf_counter()
@@ -70,7 +69,6 @@ def _analysis(config, mesh, family, task, model) -> tuple:
   """The MECH analyses' streamed pass (`depth_scan`) to analyze.max_depth
   iterations over analyze.batch_size windows, on every device whole:
   (name, (jitted fn, args))."""
-
   a, rules, put = (
     config.analyze,
     tuple(config.sharding.rules),
@@ -96,7 +94,6 @@ def check_pretrained(config, devices, target=None) -> dict:
   recurrences over analyze.batch_size prompts of data.seq_len tokens, and
   the forward at model.num_loops, its params in model.dtype sharded by the
   rules; returns each one's memory, compile time and XLA's warnings."""
-
   m, rules = config.model, tuple(config.sharding.rules)
   mesh = sharding.make_mesh(config.mesh, devices)
   cfg, model = load.abstract(
@@ -137,9 +134,8 @@ def check_pretrained(config, devices, target=None) -> dict:
 def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> dict:
   """A run's passes besides the train step: evaluation at its deepest
   iteration count over eval.batch_size rows (rounded up to the batch's
-  split, as the evaluators do), and the streamed analysis pass where the
-  run's analyses use it."""
-
+  split, as the evaluators do); for a language model also the streamed
+  analysis pass (where the run's analyses use it) and sampling."""
   rules = tuple(config.sharding.rules)
   split = sharding.batch_split(mesh, rules)
   B = split * math.ceil(config.eval.batch_size / split)
@@ -158,7 +154,6 @@ def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> 
 def _sampling(config, task, model) -> dict:
   """`--mode=sample`'s two programs for one prompt of half a window, its
   cache as long as the window: the prefill and one new token."""
-
   T, S, R = task.seq_len // 2, task.seq_len, config.model.num_loops
   cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)
   key = jax.eval_shape(lambda: jax.random.key(0))
@@ -176,7 +171,6 @@ def _sampling(config, task, model) -> dict:
 def check(config, devices, target=None) -> dict:
   """Lowers and compiles the train step for a mesh over `devices`; returns
   the report (`target`: the chips' figures, if they are a target's)."""
-
   family = task_lib.for_config(config)
   task = family.without_examples(config)
   mesh = sharding.run_mesh(config, devices).mesh
