@@ -98,6 +98,13 @@ def base() -> ml_collections.ConfigDict:
     hf_split="",
     init_from="",
     remat="none",
+    # Attention's kernel (model/attention_kernels.py): auto = by the compile
+    # target (cpu blocked, tpu splash, gpu cudnn or triton), or one by name:
+    # xla, blocked, splash, triton, cudnn.
+    attention="auto",
+    # Packed documents attend within themselves; False: across the window, as
+    # GPT-2-style trainers let them (no per-document mask: cuDNN's kernel).
+    document_mask=True,
     scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
     dtype="float32",
   )
@@ -236,7 +243,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"analyze.names: each must be one of {', '.join(allowed)} (data.task "
       f"{d.task!r}); got {wrong[0]!r}"
     )
-  _validate_model(m)
+  _validate_model(m, d.task)
   if t.depth.dist != "fixed":
     if not 1 <= t.depth.min <= t.depth.max:
       raise ConfigError(
@@ -264,7 +271,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_mesh(c)
 
 
-def _validate_model(m) -> None:
+def _validate_model(m, task: str) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(
       f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
@@ -283,6 +290,16 @@ def _validate_model(m) -> None:
     raise ConfigError(
       f"model.init_state: must be 'embedding' when model.injection is "
       f"'none' (else the core never sees the input); got {m.init_state!r}"
+    )
+  if m.attention == "cudnn" and m.dtype != "bfloat16":
+    raise ConfigError(
+      "model.attention: cudnn's flash attention computes in bfloat16; set "
+      f"model.dtype=bfloat16 or use triton; got model.dtype {m.dtype!r}"
+    )
+  if m.attention == "cudnn" and task == "lm" and m.document_mask:
+    raise ConfigError(
+      "model.attention: cudnn cannot keep packed documents apart; set "
+      "model.document_mask=False or use triton"
     )
 
 

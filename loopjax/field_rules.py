@@ -6,7 +6,7 @@ import math
 
 from loopjax import task_checks
 from loopjax.errors import ConfigError
-from loopjax.names import HALTING_CRITERIA, HALTING_START
+from loopjax.names import ATTENTION_KERNELS, HALTING_CRITERIA, HALTING_START
 
 ENUMS = {
   "data.task": tuple(task_checks.RULES),
@@ -18,6 +18,7 @@ ENUMS = {
   "model.norm_type": ("layernorm", "rmsnorm"),
   "model.init_state": ("embedding", "zeros", "random", "trunc_normal"),
   "model.remat": ("none", "full", "dots"),
+  "model.attention": ATTENTION_KERNELS,
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),
   "train.supervise": ("last", "from_hops", "atomic_every"),

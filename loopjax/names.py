@@ -1,5 +1,5 @@
-"""The names a config gives analyses and halting criteria: one JAX-free leaf
-that config validation, the analyses and halting all read."""
+"""The names a config gives analyses, halting criteria and attention kernels:
+one JAX-free leaf that config validation and the modules using them read."""
 
 # The mechanistic ones read one traced pass (every layer's output and weights).
 MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
@@ -17,3 +17,6 @@ HALTING_CRITERIA = ("kl_entropy", "kl_entropy_len", "kl", "kl_reverse", "entropy
                     "gate", "fixed")  # fmt: skip
 HALTING_LTG = ("kl_entropy", "kl_entropy_len", "kl", "kl_reverse", "entropy",
                "latent", "argmax", "fixed")  # fmt: skip
+
+# Attention's kernels (model/attention_kernels.py); "auto" picks by the target.
+ATTENTION_KERNELS = ("auto", "xla", "blocked", "splash", "triton", "cudnn")

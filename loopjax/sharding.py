@@ -310,3 +310,23 @@ def run_mesh(config, devices=None) -> Placement:
       f"split over (mesh axes of the rule for 'batch'); got {B}"
     )
   return Placement(mesh, rules, process_rows(mesh, rules, B))
+
+
+def per_shard(fn, logical):
+  """`fn` applied to each device's block of its arguments (`logical`: each
+  argument's axis names; the result is split like the first), for kernels
+  XLA's partitioner cannot split (Pallas calls: it would gather their
+  operands whole). Without a mesh and rules, `fn` itself."""
+
+  def run(*args):
+    mesh, rules = jax.sharding.get_abstract_mesh(), spmd.get_logical_axis_rules()
+    if mesh.empty or not rules:
+      return fn(*args)
+    specs = tuple(
+      spec(n, rules, a.shape, mesh) for n, a in zip(logical, args, strict=True)
+    )
+    return jax.shard_map(
+      fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False
+    )(*args)
+
+  return run

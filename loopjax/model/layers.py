@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from loopjax import sharding
-from loopjax.model import blocked_attention
+from loopjax.model import attention_kernels
 
 
 def param(rngs: nnx.Rngs, init, shape, axes) -> nnx.Param:
@@ -107,6 +106,7 @@ class Attention(nnx.Module):
     d, N = cfg.d_model, cfg.num_heads
     K, hd = cfg.num_kv_heads or N, d // N
     self.rotary = cfg.pos_encoding == "rope"
+    self.kernel, self.document_mask = cfg.attention, cfg.document_mask
     self.rope = dict(
       base=cfg.rope_theta, pairing=cfg.rope_pairing, llama3=tuple(cfg.rope_llama3)
     )
@@ -180,12 +180,13 @@ class Attention(nnx.Module):
     `segments_BT`: a query attends only to keys of its own segment (packed
     documents); None: to every earlier position."""
     T = x_BTD.shape[1]
+    segments_BT = segments_BT if self.document_mask else None
     q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD)
     elementwise = T <= ELEMENTWISE_MAX_LEN
-    same_BTS = (
-      None if segments_BT is None else segments_BT[:, :, None] == segments_BT[:, None]
-    )
     if elementwise or with_probs:
+      same_BTS = (
+        None if segments_BT is None else segments_BT[:, :, None] == segments_BT[:, None]
+      )
       groups = q_BTNH.shape[2] // k_BSKH.shape[2]
       k_BSNH, v_BSNH = (jnp.repeat(a, groups, axis=2) for a in (k_BSKH, v_BSKH))
       probs_BTSN = attention_probs(
@@ -193,7 +194,9 @@ class Attention(nnx.Module):
       )
       out_BTNH = attend(probs_BTSN, v_BSNH, elementwise=elementwise)
     else:
-      out_BTNH = causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS)
+      out_BTNH = attention_kernels.causal_attention(
+        q_BTNH, k_BSKH, v_BSKH, segments_BT, self.kernel
+      )
     out_BTD = self._out(out_BTNH)
     return (out_BTD, probs_BTSN.transpose(0, 3, 1, 2)) if with_probs else out_BTD
 
@@ -201,21 +204,9 @@ class Attention(nnx.Module):
 # Up to this length, attention's two products run as broadcast-multiply-sums:
 # on CPU that trains the 3-token composition task ~15% faster than batches of
 # T x T matmul tiles (docs/performance.md); longer sequences use
-# jax.nn.dot_product_attention (einsums where the weights are wanted).
+# the kernel `model.attention` picks (attention_kernels.py; einsums where the
+# weights are wanted).
 ELEMENTWISE_MAX_LEN = 8
-
-
-def causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS=None):
-  """Causal attention without the weights, grouped heads as they are.
-
-  Accelerators: one jax.nn.dot_product_attention call (XLA's implementation:
-  JAX 0.10 picks no cuDNN kernel by itself, and segment masks rule out the
-  fused one). CPU: `blocked_attention`, query blocks against the keys up to
-  their end with a recomputing backward pass."""
-  if sharding.platform() == "cpu":
-    return blocked_attention.causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS)
-  mask = None if same_BTS is None else same_BTS[:, None]
-  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True)
 
 
 def attention_probs(q_BTNH, k_BSNH, *, elementwise: bool, same_BTS=None):
