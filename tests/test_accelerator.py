@@ -60,6 +60,7 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     "step_paper_large_batch": "ok",
     "train_sysgen_paper": "ok",
     "lm_step": "ok",
+    "attention": "ok",
     "huginn_forward": "ok",
   }
   small, large = (parts[k]["result"] for k in ("step_paper", "step_paper_large_batch"))
@@ -72,6 +73,8 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     and large["jax"]["flops"] == 4 * small["jax"]["flops"]
   )
   assert parts["lm_step"]["result"]["jax"]["tokens_per_s"] > 0  # experiments/lm.py
+  kernels = {(r["kernel"], r["batch"]) for r in parts["attention"]["result"]["rows"]}
+  assert ("blocked", "packed") in kernels and ("xla", "one document") in kernels
   huginn = parts["huginn_forward"]["result"]  # the tiny Huginn in smoke mode
   assert huginn["analysis_r4"]["seconds_per_prompt"] > 0 and huginn["params"] > 0
   train = parts["train_sysgen_paper"]["result"]

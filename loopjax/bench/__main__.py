@@ -16,7 +16,9 @@ what a cache of one compiled program per depth would run. `halting`: inference
 with adaptive halting's `while_loop` against the fixed scan at equal iterations.
 `devices`: what JAX sees and each device's memory. `pretrained`: a pretrained
 family at full size with random weights, its forward and analysis pass
-(loopjax/bench/pretrained.py). `accelerator`: the parts of
+(loopjax/bench/pretrained.py). `attention`: one attention layer's forward
+and backward by each kernel the backend runs, against XLA's
+(loopjax/bench/attention.py). `accelerator`: the parts of
 the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 --out a directory.
 """
@@ -31,7 +33,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from loopjax import recurrence
-from loopjax.bench import accelerator, measure, pretrained, steps
+from loopjax.bench import accelerator, attention, measure, pretrained, steps
 from loopjax.data import kg, tfds_kg
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
@@ -192,6 +194,7 @@ BENCHMARKS = {
   "halting": bench_halting,
   "devices": bench_devices,
   "pretrained": pretrained.bench,
+  "attention": attention.bench,
 }
 
 

@@ -17,7 +17,9 @@ bf16 matmul peak, compile time, peak memory); `train_sysgen_paper` (LTG's
 systematicity setting trained for a fixed wall time with its checkpoints and
 evaluations: steps/s end to end, input pipeline included, and the projected
 time to its step count); `lm_step` (the train step of experiments/lm.py:gpu,
-a ~130M-parameter looped LM in bf16: tokens/s, MFU); `huginn_forward`
+a ~130M-parameter looped LM in bf16: tokens/s, MFU); `attention` (one
+layer of it by each fused kernel against XLA's attention: ms, memory;
+bench/attention.py); `huginn_forward`
 (Huginn-0125's shape with random bf16 weights placed on the device: the
 forward at R 32 and MECH's analysis pass to 64 recurrences over 4 prompts of
 256 tokens: compile time, seconds per prompt, memory).
@@ -160,6 +162,11 @@ def parts(smoke: bool, scratch: pathlib.Path) -> list[Part]:
       t(60, 120),
       _bench("step", "experiments/lm.py:" + ("tiny" if smoke else "gpu")),
       needs="experiments/lm.py",
+    ),
+    Part(
+      "attention",
+      t(60, 180),
+      _bench("attention", "experiments/lm.py:" + ("tiny" if smoke else "gpu")),
     ),
     Part(
       "huginn_forward",
