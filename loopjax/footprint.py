@@ -5,9 +5,13 @@ A step that cannot fit should fail in seconds with the fields that make it
 big, not after minutes of compiling and a kill by the OS (a 100k-token
 sequence's document mask alone is 80 GB). The bound counts only what the step
 must hold at once: the train state's shard (float32 params, Adam's two
-moments, the gradient) and, for packed text, one layer's (B, T, T) document
-mask, plus on an accelerator XLA's attention logits (B, N, T, T) in float32.
-What `python -m loopjax.aot` compiles is the full account.
+moments, the gradient) and what the attention kernel the step will run
+builds for one layer (model/attention_kernels.py): for packed text under the
+CPU's blocked or XLA's attention, the (B, T, T) document mask, and under
+XLA's on an accelerator the attention logits (B, N, T, T) in float32 (the
+fused kernels hold neither). Choosing the kernel here also refuses one the
+target cannot run, before anything compiles. What `python -m loopjax.aot`
+compiles is the full account.
 """
 
 import math
@@ -17,6 +21,7 @@ import jax
 
 from loopjax import sharding
 from loopjax.errors import ConfigError
+from loopjax.model import attention_kernels
 
 GIB = 2**30
 
@@ -29,9 +34,12 @@ def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
   _, T = task.model_dims()
   size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
   out = {"params, Adam moments, gradient": 16 * size / mesh.devices.size}
-  if family.packs_documents:
+  platform = mesh.devices.flat[0].platform
+  packed = family.packs_documents and m.document_mask
+  kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
+  if packed and kernel in ("xla", "blocked"):
     out["document mask (B, T, T)"] = rows * T * T
-  if mesh.devices.flat[0].platform != "cpu":
+  if kernel == "xla" and platform != "cpu":
     out["attention logits (B, N, T, T)"] = 4 * rows * m.num_heads * T * T
   return out
 

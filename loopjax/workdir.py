@@ -23,6 +23,7 @@ from loopjax.errors import ConfigError
 RESUMABLE = (
   "model.scan_unroll",  # how the loop is compiled, not what it computes
   "model.remat",
+  "model.attention",  # which kernel computes attention, not what it is
   "train.num_steps",
   "eval_every",
   "log_every",

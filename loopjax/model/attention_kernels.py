@@ -35,7 +35,7 @@ from loopjax.model import blocked_attention
 # Where each fused kernel runs; on "cpu" the Pallas ones are interpreted.
 RUNS_ON = {"splash": ("tpu", "cpu"), "triton": ("gpu", "cpu"), "cudnn": ("gpu",)}
 BLOCK = 128  # the fused kernels' tile along the sequence; shorter ones use xla
-HALF = (jnp.bfloat16, jnp.float16)  # what cuDNN's flash attention computes in
+HALF = (jnp.dtype("bfloat16"), jnp.dtype("float16"))  # what cuDNN computes in
 
 
 def choose(kernel: str, platform: str, T: int, packed: bool, dtype) -> str:
@@ -58,7 +58,7 @@ def choose(kernel: str, platform: str, T: int, packed: bool, dtype) -> str:
     return "xla"
   if platform == "tpu":
     return "splash"
-  return "cudnn" if not packed and dtype in HALF else "triton"
+  return "cudnn" if not packed and jnp.dtype(dtype) in HALF else "triton"
 
 
 def causal_attention(q_BTNH, k_BSKH, v_BSKH, segments_BT=None, kernel="auto"):
