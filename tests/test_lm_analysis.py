@@ -189,6 +189,18 @@ def test_stages_summary_orders_depth_and_measures_repetition():
   assert s["repetition"]["massive_ratio"] is None  # constant
 
 
+def test_the_sink_rate_thresholds_each_sequence_before_averaging():
+  """Half the sequences sink (mass 0.9), half do not (0.1): rate 0.5. Averaging
+  first (mass 0.5 against threshold 0.6) would read 0."""
+  ones = np.ones(4)
+  layer = {"lens_loss": ones, "tokens": ones, "first_norm": ones,
+           "median_norm": ones, "max_abs": ones, "median_abs": ones,
+           "entropy": ones}  # fmt: skip
+  heads = {"sink": np.array([[0.9], [0.9], [0.1], [0.1]]), "top_share": np.ones((4, 1))}
+  row = stages.position_summary(layer, heads, threshold=0.6)
+  assert row["sink_rate"] == 0.5 and row["sink_mass"] == pytest.approx(0.5)
+
+
 def test_memory_does_not_grow_with_iterations():
   """A random LM at T = 128: the pass's temporary memory at R = 32 is that at
   R = 2 (a few iterations' attention weights: the carried previous one, the

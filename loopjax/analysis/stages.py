@@ -6,8 +6,8 @@ of a language model, per sequence:
 - attention sinks (Gu et al. 2025): a head's `sink` mass is the attention its
   queries give the first token of their document (each query's own segment
   start; the start's own query excluded), averaged over queries; the sink rate
-  is the share of heads whose mass, averaged over sequences, exceeds
-  `threshold`;
+  is the share of (sequence, head) pairs whose mass exceeds `threshold` (each
+  sequence thresholded, then averaged, as Gu et al. and MECH do);
 - ColSum concentration: the largest share of a head's total attention one key
   receives (`attention.colsum`);
 - massive activations (Sun et al. 2024): the first token's norm over the
@@ -102,10 +102,12 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
   }
   if heads is None:  # the embedding: no attention
     return out | {k: None for k in ("sink_rate", "sink_mass", "top_share")}
-  sink_N = heads["sink"][real].mean(0)
+  sink_BN = heads["sink"][real]
   return out | {
-    "sink_rate": float((sink_N > threshold).mean()),
-    "sink_mass": float(sink_N.mean()),
+    # thresholded per sequence, then averaged (Gu et al., MECH): a head that
+    # sinks on some inputs only counts for those
+    "sink_rate": float((sink_BN > threshold).mean()),
+    "sink_mass": float(sink_BN.mean()),
     "top_share": float(heads["top_share"][real].mean()),
   }
 
