@@ -167,7 +167,11 @@ def test_stages_summary_orders_depth_and_measures_repetition():
   loss_RL = np.array([[9.0, 9.0], [4.0, 1.0], [4.0, 1.0]])
   core = {k: np.stack([np.stack([layer(x)[k] for x in row], 1) for row in loss_RL], 1)
           for k in layer(0)}  # fmt: skip
-  heads = {"sink": np.full((B, R, L, N), 0.5), "top_share": np.full((B, R, L, N), 0.2)}
+  heads = {
+    k: np.full((B, R, L, N), v)
+    for k, v in (("sink", 0.5), ("top_share", 0.2), ("concentration", 0.3),
+                 ("uniform_concentration", 0.1))
+  }  # fmt: skip
   heads["sink"][:, 2, 1] = 0.1  # layer 2 of iteration 3: below the threshold
   ex = {"embed": layer(7.0), "prelude": None, "prelude_heads": None, "coda": None,
         "coda_heads": None, "core": core, "core_heads": heads}  # fmt: skip
@@ -196,7 +200,9 @@ def test_the_sink_rate_thresholds_each_sequence_before_averaging():
   layer = {"lens_loss": ones, "tokens": ones, "first_norm": ones,
            "median_norm": ones, "max_abs": ones, "median_abs": ones,
            "entropy": ones}  # fmt: skip
-  heads = {"sink": np.array([[0.9], [0.9], [0.1], [0.1]]), "top_share": np.ones((4, 1))}
+  heads = {"sink": np.array([[0.9], [0.9], [0.1], [0.1]])} | {
+    k: np.ones((4, 1)) for k in ("top_share", "concentration", "uniform_concentration")
+  }
   row = stages.position_summary(layer, heads, threshold=0.6)
   assert row["sink_rate"] == 0.5 and row["sink_mass"] == pytest.approx(0.5)
 
@@ -262,3 +268,21 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   assert cells[5:8] == ["5.500", "-", "5.000 (2)"]  # @2R, @4R (not run), best
   change = fp["validation"]["layers"][-1]["change"][-1]
   assert cells[8] == f"{fp['validation']['kind']} (-, -); {change:.1e} at r = 3 -> 4"
+
+
+def test_colsum_concentration_is_0_for_uniform_columns_and_1_for_one_key():
+  """MECH's C = 1 - H(c) / log n: every query spreading evenly over all n keys
+  gives 0, every query on key 0 gives 1; uniform causal attention gives its
+  own baseline (0.18 at n = 3), which `uniform_attention` builds per document."""
+  B, N, T = 2, 1, 3
+  real = jnp.ones((B, T), bool)
+  flat = jnp.full((B, N, T, T), 1.0 / T)
+  one_key = jnp.zeros((B, N, T, T)).at[..., 0].set(1.0)
+  np.testing.assert_allclose(stages.concentration(flat, real), 0.0, atol=1e-6)
+  np.testing.assert_allclose(stages.concentration(one_key, real), 1.0, atol=1e-6)
+  first = jnp.zeros((B, T), bool).at[:, 0].set(True)
+  c = np.array([1 + 1 / 2 + 1 / 3, 1 / 2 + 1 / 3, 1 / 3]) / 3
+  ref = 1 + (c * np.log(c)).sum() / np.log(3)
+  uniform = stages.concentration(stages.uniform_attention(real, first), real)
+  np.testing.assert_allclose(uniform, ref, rtol=1e-5)
+  assert abs(ref - 0.18) < 0.01

@@ -8,8 +8,12 @@ of a language model, per sequence:
   start; the start's own query excluded), averaged over queries; the sink rate
   is the share of (sequence, head) pairs whose mass exceeds `threshold` (each
   sequence thresholded, then averaged, as Gu et al. and MECH do);
-- ColSum concentration: the largest share of a head's total attention one key
-  receives (`attention.colsum`);
+- ColSum concentration (MECH): C = 1 - H(c) / log n of the column sums
+  c_j = (1/n) sum_i A_ij over a sequence's n real tokens (0: every key gets
+  the same share, 1: one key gets it all), beside `colsum_uniform`, the C
+  that uniform causal attention gives at the same n (its early keys are seen
+  by more queries, so it is not 0: 0.18 at n = 3); and the largest share one
+  key receives (`top_share`, `attention.colsum`);
 - massive activations (Sun et al. 2024): the first token's norm over the
   median token norm, and the largest |activation| over the median |activation|;
 - the matrix-based entropy of the token representations (Queipo-de Llano et al.
@@ -41,6 +45,7 @@ STATS = (
   "sink_rate",
   "sink_mass",
   "top_share",
+  "colsum_concentration",
 )
 
 
@@ -62,7 +67,30 @@ def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
     "sink": sink_BN,
     "top_share": p_BNS.max(-1),
     "entropy": -xlogy(p_BNS, p_BNS).sum(-1),
+    "concentration": concentration(probs, real_BT),
+    "uniform_concentration": jnp.broadcast_to(
+      concentration(uniform_attention(real_BT, first_BT), real_BT), sink_BN.shape
+    ),
   }, p_BNS
+
+
+def concentration(probs_BNTS, real_BT):
+  """MECH's ColSum concentration per sequence and head (B, N)."""
+  p_BNS = attention.colsum(probs_BNTS.astype(jnp.float32), real_BT.astype(jnp.float32))
+  log_n_B1 = jnp.log(jnp.maximum(real_BT.sum(-1), 2).astype(jnp.float32))[:, None]
+  return 1.0 - (-xlogy(p_BNS, p_BNS).sum(-1)) / log_n_B1
+
+
+def uniform_attention(real_BT, first_BT):
+  """(B, 1, T, T): each real query spread evenly over the real keys it may
+  see (earlier ones of its own document, itself included)."""
+  T = real_BT.shape[1]
+  seg_BT = jnp.cumsum(first_BT, -1)
+  seen_BTS = (seg_BT[:, :, None] == seg_BT[:, None]) & jnp.tril(
+    jnp.ones((1, T, T), bool)
+  )
+  seen_BTS = seen_BTS & real_BT[:, None, :]
+  return (seen_BTS / jnp.maximum(seen_BTS.sum(-1, keepdims=True), 1))[:, None]
 
 
 def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
@@ -101,7 +129,7 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
     "entropy": float(np.mean(layer["entropy"][real])),
   }
   if heads is None:  # the embedding: no attention
-    return out | {k: None for k in ("sink_rate", "sink_mass", "top_share")}
+    return out | {k: None for k in (*STATS[4:], "colsum_uniform")}
   sink_BN = heads["sink"][real]
   return out | {
     # thresholded per sequence, then averaged (Gu et al., MECH): a head that
@@ -109,6 +137,8 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
     "sink_rate": float((sink_BN > threshold).mean()),
     "sink_mass": float(sink_BN.mean()),
     "top_share": float(heads["top_share"][real].mean()),
+    "colsum_concentration": float(heads["concentration"][real].mean()),
+    "colsum_uniform": float(heads["uniform_concentration"][real].mean()),
   }
 
 
