@@ -243,7 +243,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"analyze.names: each must be one of {', '.join(allowed)} (data.task "
       f"{d.task!r}); got {wrong[0]!r}"
     )
-  _validate_model(m, d.task)
+  _validate_model(m)
   if t.depth.dist != "fixed":
     if not 1 <= t.depth.min <= t.depth.max:
       raise ConfigError(
@@ -271,7 +271,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _validate_mesh(c)
 
 
-def _validate_model(m, task: str) -> None:
+def _validate_model(m) -> None:
   if m.d_model % m.num_heads:
     raise ConfigError(
       f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
@@ -290,16 +290,6 @@ def _validate_model(m, task: str) -> None:
     raise ConfigError(
       f"model.init_state: must be 'embedding' when model.injection is "
       f"'none' (else the core never sees the input); got {m.init_state!r}"
-    )
-  if m.attention == "cudnn" and m.dtype != "bfloat16":
-    raise ConfigError(
-      "model.attention: cudnn's flash attention computes in bfloat16; set "
-      f"model.dtype=bfloat16 or use triton; got model.dtype {m.dtype!r}"
-    )
-  if m.attention == "cudnn" and task == "lm" and m.document_mask:
-    raise ConfigError(
-      "model.attention: cudnn cannot keep packed documents apart; set "
-      "model.document_mask=False or use triton"
     )
 
 

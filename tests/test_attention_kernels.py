@@ -98,6 +98,8 @@ def test_auto_picks_by_target_batch_and_dtype():
     choose("cudnn", "cpu", 1024, False, bf16)
   with pytest.raises(ConfigError, match="packed documents"):
     choose("cudnn", "gpu", 1024, True, bf16)
+  with pytest.raises(ConfigError, match="computes in bfloat16"):
+    choose("cudnn", "gpu", 1024, False, "float32")
 
 
 def test_fused_kernels_run_per_device_under_a_mesh():

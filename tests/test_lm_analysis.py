@@ -169,14 +169,17 @@ def test_stages_summary_orders_depth_and_measures_repetition():
           for k in layer(0)}  # fmt: skip
   heads = {
     k: np.full((B, R, L, N), v)
-    for k, v in (("sink", 0.5), ("top_share", 0.2), ("concentration", 0.3),
-                 ("uniform_concentration", 0.1))
+    for k, v in (("sink", 0.5), ("top_share", 0.2), ("concentration", 0.3))
   }  # fmt: skip
   heads["sink"][:, 2, 1] = 0.1  # layer 2 of iteration 3: below the threshold
   ex = {"embed": layer(7.0), "prelude": None, "prelude_heads": None, "coda": None,
-        "coda_heads": None, "core": core, "core_heads": heads}  # fmt: skip
+        "coda_heads": None, "core": core, "core_heads": heads,
+        "uniform_concentration": np.full(B, 0.1)}  # fmt: skip
   s = stages.summarize(ex, threshold=0.3)
   rows = s["positions"]
+  assert s["colsum_uniform"] == pytest.approx(0.1)
+  assert rows[0]["colsum_concentration"] is None
+  assert rows[1]["colsum_concentration"] == pytest.approx(0.3)
   assert [r["label"] for r in rows] == [
     "embed",
     "r1 l1",
@@ -201,7 +204,7 @@ def test_the_sink_rate_thresholds_each_sequence_before_averaging():
            "median_norm": ones, "max_abs": ones, "median_abs": ones,
            "entropy": ones}  # fmt: skip
   heads = {"sink": np.array([[0.9], [0.9], [0.1], [0.1]])} | {
-    k: np.ones((4, 1)) for k in ("top_share", "concentration", "uniform_concentration")
+    k: np.ones((4, 1)) for k in ("top_share", "concentration")
   }
   row = stages.position_summary(layer, heads, threshold=0.6)
   assert row["sink_rate"] == 0.5 and row["sink_mass"] == pytest.approx(0.5)

@@ -55,7 +55,13 @@ def run(model, batch, num_loops: int, key=None) -> dict:
   m, real_BT = model, batch["real"]
   first_BT = stages.first_tokens(batch["segments"])
   x_BTD = m.embed_tokens(batch["inputs"])
-  out = {"embed": stages.layer_stats(x_BTD, batch, first_BT, m.logits)}
+  out = {
+    "embed": stages.layer_stats(x_BTD, batch, first_BT, m.logits),
+    # what uniform causal attention would give: depends on the windows only
+    "uniform_concentration": stages.concentration(
+      stages.uniform_attention(real_BT, first_BT), real_BT
+    )[:, 0],
+  }
   x_BTD, prelude = _group(m.prelude, x_BTD, batch, first_BT, m.logits)
   h_BTD = m.initial_state(x_BTD, key)
   read = fixed_points.next_layer_reads(m, x_BTD)

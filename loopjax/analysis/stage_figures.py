@@ -32,8 +32,7 @@ def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
     y = np.asarray([np.nan if r[stat] is None else r[stat] for r in rows], float)
     ax.plot(x, y, marker=".", lw=1)
     if stat == "colsum_concentration":  # what uniform causal attention gives
-      base = [np.nan if r[stat] is None else r["colsum_uniform"] for r in rows]
-      ax.plot(x, np.asarray(base, float), ls="--", lw=1, color="gray")
+      ax.axhline(res["colsum_uniform"], ls="--", lw=1, color="gray")
     for r in range(1, res["num_loops"] + 1):
       at = [i for i, row in enumerate(rows) if row["label"].startswith(f"r{r} ")]
       shade = 0.12 if r <= trained else 0.05

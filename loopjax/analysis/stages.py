@@ -11,8 +11,9 @@ of a language model, per sequence:
 - ColSum concentration (MECH): C = 1 - H(c) / log n of the column sums
   c_j = (1/n) sum_i A_ij over a sequence's n real tokens (0: every key gets
   the same share, 1: one key gets it all), beside `colsum_uniform`, the C
-  that uniform causal attention gives at the same n (its early keys are seen
-  by more queries, so it is not 0: 0.18 at n = 3); and the largest share one
+  that uniform causal attention gives on the same windows (its early keys
+  are seen by more queries, so it is not 0: 0.18 at n = 3; one number, as it
+  depends on the windows only); and the largest share one
   key receives (`top_share`, `attention.colsum`);
 - massive activations (Sun et al. 2024): the first token's norm over the
   median token norm, and the largest |activation| over the median |activation|;
@@ -68,9 +69,6 @@ def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
     "top_share": p_BNS.max(-1),
     "entropy": -xlogy(p_BNS, p_BNS).sum(-1),
     "concentration": concentration(probs, real_BT),
-    "uniform_concentration": jnp.broadcast_to(
-      concentration(uniform_attention(real_BT, first_BT), real_BT), sink_BN.shape
-    ),
   }, p_BNS
 
 
@@ -129,7 +127,7 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
     "entropy": float(np.mean(layer["entropy"][real])),
   }
   if heads is None:  # the embedding: no attention
-    return out | {k: None for k in (*STATS[4:], "colsum_uniform")}
+    return out | {k: None for k in STATS[4:]}
   sink_BN = heads["sink"][real]
   return out | {
     # thresholded per sequence, then averaged (Gu et al., MECH): a head that
@@ -138,13 +136,13 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
     "sink_mass": float(sink_BN.mean()),
     "top_share": float(heads["top_share"][real].mean()),
     "colsum_concentration": float(heads["concentration"][real].mean()),
-    "colsum_uniform": float(heads["uniform_concentration"][real].mean()),
   }
 
 
 def summarize(ex: dict, threshold: float) -> dict:
   """Along effective depth: `positions` (label, iteration, layer) with every
-  STAT per position, and `repetition` (eta squared per STAT, None where the
+  STAT per position, `colsum_uniform` (ColSum concentration of uniform causal
+  attention on these windows), and `repetition` (eta squared per STAT, None where the
   block has one layer, fewer than 3 iterations were traced or the statistic is
   constant)."""
   R, L = ex["core"]["tokens"].shape[1:3]
@@ -169,10 +167,12 @@ def summarize(ex: dict, threshold: float) -> dict:
     for lbl, r, l, s, h in positions
   ]
   core = [x for x in rows if 2 <= x["iteration"] <= R and x["label"].startswith("r")]
+  real = ex["embed"]["tokens"] > 0
   return {
     "threshold": threshold,
     "num_loops": R,
     "num_layers": L,
+    "colsum_uniform": float(np.mean(ex["uniform_concentration"][real])),
     "positions": rows,
     "repetition": {k: repetition(core, k, L) for k in STATS},
   }

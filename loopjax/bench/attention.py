@@ -18,13 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopjax.bench import measure
+from loopjax.errors import ConfigError
 from loopjax.model import attention_kernels
-
-KERNELS = {
-  "cpu": ("xla", "blocked"),
-  "tpu": ("xla", "splash"),
-  "gpu": ("xla", "triton", "cudnn"),
-}
 
 
 def _inputs(config):
@@ -41,14 +36,24 @@ def _inputs(config):
   return (q, k, v), w, {"packed": packed, "one document": None}
 
 
+def _takes(kernel: str, backend: str, packed: bool, w) -> bool:
+  """Whether `kernel` runs this batch here (cuDNN: bf16, no segment ids)."""
+  try:
+    attention_kernels.choose(kernel, backend, w.shape[1], packed, w.dtype)
+  except ConfigError:
+    return False
+  return True
+
+
 def bench(config) -> dict:
   qkv, w, batches = _inputs(config)
   backend = jax.default_backend()
   t = config.bench
   rows = []
-  for kernel in KERNELS.get(backend, ("xla",)):
+  native = [k for k, on in attention_kernels.RUNS_ON.items() if on[0] == backend]
+  for kernel in ["xla", *(["blocked"] if backend == "cpu" else native)]:
     for batch, segments in batches.items():
-      if kernel == "cudnn" and (segments is not None or qkv[0].dtype != jnp.bfloat16):
+      if not _takes(kernel, backend, segments is not None, w):
         continue
 
       def loss(q, k, v, segments=segments, kernel=kernel):

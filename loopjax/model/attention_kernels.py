@@ -39,7 +39,9 @@ HALF = (jnp.dtype("bfloat16"), jnp.dtype("float16"))  # what cuDNN computes in
 
 
 def choose(kernel: str, platform: str, T: int, packed: bool, dtype) -> str:
-  """The kernel `kernel` ("auto" or a name) resolves to for this call."""
+  """The kernel `kernel` ("auto" or a name) resolves to for this call; one
+  the call cannot run is a ConfigError (`footprint.check` asks first, before
+  a train step compiles; aot and the other modes when they trace)."""
   if kernel != "auto":
     if platform not in RUNS_ON.get(kernel, (platform,)):
       raise ConfigError(
@@ -50,6 +52,11 @@ def choose(kernel: str, platform: str, T: int, packed: bool, dtype) -> str:
       raise ConfigError(
         "model.attention: cudnn cannot keep packed documents apart; set "
         "model.document_mask=False or use triton"
+      )
+    if kernel == "cudnn" and jnp.dtype(dtype) not in HALF:
+      raise ConfigError(
+        "model.attention: cudnn's flash attention computes in bfloat16; set "
+        f"model.dtype=bfloat16 or use triton; got {jnp.dtype(dtype).name}"
       )
     return kernel
   if platform == "cpu":
@@ -117,9 +124,12 @@ def _splash_kernel(T: int, groups: int, interpret: bool):
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
   mask = sa.MultiHeadMask([sa.CausalMask((T, T))] * groups)
-  return sa.make_splash_mqa_single_device(
-    mask, block_sizes=sa.BlockSizes.get_default(), interpret=interpret
-  )
+  # Its mask tables are concrete arrays even when first asked for inside a
+  # trace: a cached tracer would leak into the next program that uses it.
+  with jax.ensure_compile_time_eval():
+    return sa.make_splash_mqa_single_device(
+      mask, block_sizes=sa.BlockSizes.get_default(), interpret=interpret
+    )
 
 
 def _splash(q_BTKGH, k_BSKH, v_BSKH, segments_BT=None, *, interpret: bool):
