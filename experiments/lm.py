@@ -6,19 +6,24 @@ running Python's standard library (data.source=stdlib: ~3.4M tokens of code at
 a 4096-token vocabulary, on every machine, offline); any local text
 (`text:GLOB`) or prepared TFDS text dataset (`tfds:NAME`) works the same.
 Variants: `tiny` (seconds: tests), `cpu` (the default: a 2-core CPU),
-`study` (`cpu` at 1000 steps: the from-scratch study's base), `gpu` (the shape
+`study` (`cpu` at 1000 steps, rows aligned at <bos>: the from-scratch study's
+base), `control` and `control_tiny` (the positive control), `gpu` (the shape
 a GPU or TPU user starts from, bf16), `retrofit` (a pretrained feedforward
 model made recurrent, below) and `retrofit_tiny` (`retrofit` in seconds on a
 tiny checkpoint: tests).
 
 The from-scratch study (MECH): `sweep("study")` varies one factor at a time
 from `study` (injection add, pre-norm, 2 x 4): input injection, norm placement
-and block size L x R at equal effective depth 8; each run is analyzed and
-evaluated to 32 iterations, 4x the largest R (docs/results/lm_study.md):
+and block size L x R at equal effective depth 8, on rows aligned at <bos>;
+each run is evaluated to 32 iterations (4x the largest R) and analyzed to 128
+(MECH's horizon) (docs/results/lm_study.md). The sink analyses' positive
+control, `sweep("control")` from `control` (Bigram-Backcopy), beside it:
 
   python launch/sweep.py --config=experiments/lm.py:study --sweep=study \
       --root=runs/lm_study --analyze --parallel=2
   python -m loopjax.main --mode=report --workdir=runs/lm_study
+  python launch/sweep.py --config=experiments/lm.py:control --sweep=control \
+      --root=runs/lm_control --analyze --parallel=2
 
   python -m loopjax.main --config=experiments/lm.py --workdir=runs/lm
   python -m loopjax.main --config=experiments/lm.py --workdir=runs/lm --mode=eval
@@ -103,9 +108,10 @@ def get_config(variant: str = "cpu"):
     if variant == "study":  # 8 runs in ~70 min, two at a time on 2 cores
       c.train.num_steps = 1000
     c.eval.update(batch_size=16, depths=(8, 16))
-    c.analyze.max_depth = 16
-    if variant == "study":  # every variant to 4x the largest R (1 x 8's)
-      c.eval.depths, c.analyze.max_depth = (32,), 32
+    c.analyze.max_depth = 128  # MECH's horizon (fixed points)
+    if variant == "study":  # every variant evaluated to 4x the largest R (1 x 8's)
+      c.data.align = True  # rows start at <bos>, where a sink can form
+      c.eval.depths = (32,)
     c.checkpoint.every = 250
     c.eval_every = 250
   elif variant == "gpu":
@@ -123,17 +129,54 @@ def get_config(variant: str = "cpu"):
     c.train.update(batch_size=64, num_steps=100_000, lr=6e-4, warmup_steps=2000)
     c.train.z_loss = 1e-4
     c.eval.update(batch_size=32, depths=(8, 16))
-    c.analyze.update(max_depth=16, batch_size=4)
+    c.analyze.update(max_depth=128, batch_size=4)
     c.checkpoint.update(every=2000, keep_every=20_000)
     c.eval_every = 1000
   elif variant in ("retrofit", "retrofit_tiny"):
     retrofit(c, tiny=variant == "retrofit_tiny")
+  elif variant in ("control", "control_tiny"):
+    control(c, tiny=variant == "control_tiny")
   else:
     raise ValueError(
-      "variant: must be one of tiny, cpu, study, gpu, retrofit, retrofit_tiny; "
-      f"got {variant!r}"
+      "variant: must be one of tiny, cpu, study, gpu, retrofit, retrofit_tiny, "
+      f"control, control_tiny; got {variant!r}"
     )
   return c
+
+
+def control(c, tiny: bool) -> None:
+  """The sink analyses' positive control: Guo et al.'s Bigram-Backcopy (one
+  symbol per token), rows aligned at <bos>, a 1-layer 1-head model (learned
+  positions, weight decay 0.5) applied R = 4 times; `sweep("control")` adds
+  the feedforward R = 1 and the injection and norm variants. Checkpoints
+  every 500 steps are kept: the sink forms early and may fade (at d 128, 128
+  tokens and lr 1e-3 the feedforward model's mass on <bos> was 0.62 at step
+  600 and 0.14 at 3000), so it is analyzed along training. `tiny`: a smaller
+  model in seconds (the default suite)."""
+  c.data.update(
+    source="bigram_backcopy", vocab_size=259, seq_len=64, align=True, valid_sequences=32
+  )
+  c.model.update(
+    d_model=64, num_heads=1, num_layers=1, num_loops=4, pos_encoding="learned"
+  )
+  c.train.update(
+    batch_size=32, num_steps=3000, lr=3e-3, warmup_steps=100, weight_decay=0.5
+  )
+  c.eval.update(batch_size=32, depths=(8, 16))
+  c.analyze.update(max_depth=128, lm_windows=32, batch_size=8)
+  c.checkpoint.update(every=500, keep_every=500)
+  c.eval_every = 500
+  if tiny:
+    c.data.update(seq_len=32, valid_sequences=8)
+    c.model.update(d_model=32, num_loops=2)
+    c.mesh.devices = 1
+    c.train.update(num_steps=300, warmup_steps=20)
+    c.checkpoint.keep_every = 0
+    c.eval.update(batch_size=8, depths=(4,))
+    c.analyze.update(max_depth=8, lm_windows=8)
+    c.checkpoint.every = 300
+    c.eval_every = 300
+    c.log_every = 100
 
 
 def retrofit(c, tiny: bool) -> None:
@@ -161,7 +204,7 @@ def retrofit(c, tiny: bool) -> None:
   )
   c.train.depth.update(dist="lognormal_poisson", mean=4.0, min=1, max=8, sigma=0.5)
   c.eval.update(batch_size=16, depths=(16,))
-  c.analyze.update(max_depth=32, batch_size=4)
+  c.analyze.update(max_depth=128, batch_size=4)
   c.checkpoint.update(every=1000, keep_every=5000)
   c.eval_every = 1000
   if tiny:
@@ -178,11 +221,20 @@ def retrofit(c, tiny: bool) -> None:
 
 
 def sweep(name: str = "study"):
-  """One factor at a time from the base (injection add, pre-norm, L x R = 2 x 4):
-  injection none / concat, norm sandwich / Huginn's residual-stream norm, and
-  L x R = 1 x 8, 4 x 2, 8 x 1 (feedforward)."""
+  """study: one factor at a time from the base (injection add, pre-norm, L x R
+  = 2 x 4): injection none / concat, norm sandwich / Huginn's residual-stream
+  norm, and L x R = 1 x 8, 4 x 2, 8 x 1 (feedforward). control: from its base
+  (1 x 4, injection add, pre-norm), the feedforward 1 x 1, injection none and
+  Huginn's residual-stream norm."""
+  if name == "control":
+    return [
+      {},
+      {"model.num_loops": 1},
+      {"model.injection": "none"},
+      {"model.norm_position": "residual"},
+    ]
   if name != "study":
-    raise ValueError(f"must be study; got {name!r}")
+    raise ValueError(f"must be study or control; got {name!r}")
 
   def shape(L, R):
     return {"model.num_layers": L, "model.num_loops": R}

@@ -44,14 +44,15 @@ SHAPES = Path(__file__).parent / "hf_shapes"  # published models' config.json
 # Huginn's exit criteria (its names: kl, entropy-diff, latent-diff, cosine,
 # argmax-stability) as loopjax.halting's
 HUGINN_EXITS = ("kl_reverse", "entropy_diff", "latent_diff", "cosine", "argmax")
-# variant -> (model.num_loops, analyze.max_depth, analyze.batch_size): the
-# analysis pass holds every layer of the block's outputs and attention weights
-# for a few iterations, so Ouro's 48-layer block analyzes one prompt at a time
+# variant -> (model.num_loops, analyze.max_depth, analyze.batch_size): looped
+# models analyzed to MECH's 128 iterations; the analysis pass holds every layer
+# of the block's outputs and attention weights for a few iterations, whatever
+# the depth, so Ouro's 48-layer block analyzes one prompt at a time
 # (python -m loopjax.aot: docs/pretrained.md)
 FAMILIES = {
-  "huginn": (32, 64, 4),
-  "ouro": (4, 16, 1),
-  "retrofit": (4, 32, 4),
+  "huginn": (32, 128, 4),
+  "ouro": (4, 128, 1),
+  "retrofit": (4, 128, 4),
   "llama": (1, 4, 4),
   "olmo2": (1, 4, 4),
 }

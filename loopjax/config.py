@@ -46,11 +46,13 @@ def base() -> ml_collections.ConfigDict:
     seed=0,
     # lm (data/lm.py): a BPE of vocab_size trained on the corpus, or a
     # tokenizer.json; sequences of seq_len tokens; a share of the documents
-    # held out; validation on the first valid_sequences of them (0: all)
+    # held out; validation on the first valid_sequences of them (0: all);
+    # align: every row starts at <bos> (data/lm.py)
     vocab_size=4096,
     tokenizer="",
     seq_len=256,
     bos=True,
+    align=False,
     text_field="text",
     valid_fraction=0.02,
     valid_sequences=0,

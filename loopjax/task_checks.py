@@ -91,11 +91,15 @@ def chains(c) -> None:
 def lm(c) -> None:
   """The `data` and `train` fields a language model reads (config.validate)."""
   d = c.data
-  if not (d.source == "stdlib" or d.source.startswith(("text:", "tfds:"))):
+  if not (
+    d.source in ("stdlib", "bigram_backcopy") or d.source.startswith(("text:", "tfds:"))
+  ):
     raise ConfigError(
-      "data.source: must be 'stdlib', 'text:GLOB' or 'tfds:NAME[:CONFIG]' for "
-      f"data.task 'lm'; got {d.source!r}"
+      "data.source: must be 'stdlib', 'bigram_backcopy', 'text:GLOB' or "
+      f"'tfds:NAME[:CONFIG]' for data.task 'lm'; got {d.source!r}"
     )
+  if d.align and not d.bos:
+    raise ConfigError("data.align: rows start at <bos>, so it needs data.bos=True")
   if not d.tokenizer and d.vocab_size < MIN_VOCAB:  # a given one: its own size
     raise ConfigError(
       f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "

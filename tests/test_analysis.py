@@ -161,6 +161,23 @@ def test_a_growing_stream_whose_direction_is_fixed_has_converged():
   np.testing.assert_allclose(s["layers"][0]["update"], 0, atol=1e-5)
 
 
+def test_a_geometric_approach_converges_within_mechs_horizon():
+  """A state approaching its limit by a factor 0.92 per iteration: not
+  converged at tol 1e-3 within 32 iterations, converged within 128, and
+  settled by MECH's distance to the 128th iterate too."""
+  v, w = np.array([1.0, 2.0, 0.0]), np.array([0.0, -1.0, 1.0])
+  traj = [[v + 0.92**r * w] for r in range(1, 129)]
+  assert _fixed(traj[:32])[1]["layers"][0]["converged_at"] is None
+  ex, s = _fixed(traj)
+  layer = s["layers"][0]
+  assert 32 < layer["converged_at"] < 128 and s["kind"] == "fixed point"
+  assert 32 < layer["settled_at"] < 128
+  np.testing.assert_allclose(ex["to_last"][0, 0, -1, 0], 0, atol=1e-7)
+  assert layer["to_last"][0] > 1e-2 and layer["cosine_last"][-1] == pytest.approx(1)
+  ladder = list(layer["settled_at_tol"].values())  # 1e-1 .. 1e-3
+  assert ladder == sorted(ladder) and ladder[-1] == layer["settled_at"]
+
+
 def test_convergence_is_decided_per_token():
   """One token that never settles cannot hide behind a larger one that has
   (a Frobenius norm over the sequence would); fp_share says how many may."""

@@ -154,8 +154,9 @@ def test_the_next_layer_reads_its_own_input():
 
 def test_stages_summary_orders_depth_and_measures_repetition():
   """Positions run embedding, iteration x layer, and repetition reads the
-  layer's share of the variation from iteration 2 on."""
-  B, R, L, N = 2, 3, 2, 1
+  layer's share of the variation, from iteration 2 to the trained R and,
+  apart, past it."""
+  B, R, L, N = 2, 5, 2, 1
   ones = np.ones(B)
 
   def layer(loss):
@@ -163,8 +164,9 @@ def test_stages_summary_orders_depth_and_measures_repetition():
             "median_norm": ones, "max_abs": 3 * ones, "median_abs": ones,
             "entropy": 0.5 * ones}  # fmt: skip
 
-  # Iteration 1 a transient (loss 9); from 2 on, layer 1 -> 4 and layer 2 -> 1.
-  loss_RL = np.array([[9.0, 9.0], [4.0, 1.0], [4.0, 1.0]])
+  # Iteration 1 a transient (loss 9); 2 and 3 (trained R = 3): layer 1 -> 4 and
+  # layer 2 -> 1; past R, the layers agree and the iterations differ.
+  loss_RL = np.array([[9.0, 9.0], [4.0, 1.0], [4.0, 1.0], [2.0, 2.0], [6.0, 6.0]])
   core = {k: np.stack([np.stack([layer(x)[k] for x in row], 1) for row in loss_RL], 1)
           for k in layer(0)}  # fmt: skip
   heads = {
@@ -175,7 +177,7 @@ def test_stages_summary_orders_depth_and_measures_repetition():
   ex = {"embed": layer(7.0), "prelude": None, "prelude_heads": None, "coda": None,
         "coda_heads": None, "core": core, "core_heads": heads,
         "uniform_concentration": np.full(B, 0.1)}  # fmt: skip
-  s = stages.summarize(ex, threshold=0.3)
+  s = stages.summarize(ex, threshold=0.3, trained=3)
   rows = s["positions"]
   assert s["colsum_uniform"] == pytest.approx(0.1)
   assert rows[0]["colsum_concentration"] is None
@@ -188,11 +190,16 @@ def test_stages_summary_orders_depth_and_measures_repetition():
     "r2 l2",
     "r3 l1",
     "r3 l2",
+    "r4 l1",
+    "r4 l2",
+    "r5 l1",
+    "r5 l2",
   ]
-  assert [r["lens_loss"] for r in rows] == [7.0, 9.0, 9.0, 4.0, 1.0, 4.0, 1.0]
+  assert [r["lens_loss"] for r in rows[:7]] == [7.0, 9.0, 9.0, 4.0, 1.0, 4.0, 1.0]
   assert rows[0]["sink_rate"] is None and rows[1]["first_ratio"] == 2.0
-  assert [r["sink_rate"] for r in rows[1:]] == [1, 1, 1, 1, 1, 0]
+  assert [r["sink_rate"] for r in rows[1:]] == [1, 1, 1, 1, 1, 0, 1, 1, 1, 1]
   assert s["repetition"]["lens_loss"] == pytest.approx(1.0)
+  assert s["repetition_past"]["lens_loss"] == pytest.approx(0.0)
   assert s["repetition"]["massive_ratio"] is None  # constant
 
 
@@ -233,14 +240,18 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   config.analyze.update(max_depth=4, lm_windows=3, batch_size=2)
   rng = np.random.default_rng(0)
   n = 4 * config.data.seq_len + 1
-  stream = {
-    "tokens": rng.integers(3, 300, n).astype(np.int32),
-    "segments": np.repeat(np.arange(n // 20 + 1), 20)[:n].astype(np.int32),
-  }
-  task = LmData("", 300, 0, 1, 2, config.data.seq_len, {"validation": stream}, "fp")
-  # Windows start at documents' first tokens (every 20th) and do not overlap.
-  starts = analyze_lm.document_starts(stream, config.data.seq_len, 10)
-  assert starts.tolist() == [0, 40, 80]
+  segments = np.repeat(np.arange(n // 20 + 1), 20)[:n].astype(np.int32)
+  tokens = np.where(
+    np.r_[True, segments[1:] != segments[:-1]], 1, rng.integers(3, 300, n)
+  )
+  stream = {"tokens": tokens.astype(np.int32), "segments": segments}
+  task = LmData(
+    "", 300, 0, 1, 2, config.data.seq_len, {"validation": stream}, "fp", align=True
+  )
+  # The rows training would draw (aligned: each starts at a <bos>).
+  probe, num = analyze_lm.batches(task, 3, 2)
+  assert num == 3 and [b["inputs"].shape[0] for b in probe] == [2, 2]
+  assert all((b["inputs"][:, 0] == 1).all() for b in probe)
   graphdef, params = nnx.split(build_model(config.model, 300, config.data.seq_len, 0))
   out = tmp_path / "run" / "analysis"
   paths = analyze_lm.run(config, task, Model(graphdef, params), 7, out)
@@ -276,16 +287,22 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
 def test_colsum_concentration_is_0_for_uniform_columns_and_1_for_one_key():
   """MECH's C = 1 - H(c) / log n: every query spreading evenly over all n keys
   gives 0, every query on key 0 gives 1; uniform causal attention gives its
-  own baseline (0.18 at n = 3), which `uniform_attention` builds per document."""
+  own baselines (C 0.18, top share 0.61 at n = 3), built per document."""
   B, N, T = 2, 1, 3
   real = jnp.ones((B, T), bool)
-  flat = jnp.full((B, N, T, T), 1.0 / T)
-  one_key = jnp.zeros((B, N, T, T)).at[..., 0].set(1.0)
-  np.testing.assert_allclose(stages.concentration(flat, real), 0.0, atol=1e-6)
-  np.testing.assert_allclose(stages.concentration(one_key, real), 1.0, atol=1e-6)
+
+  def c(probs_BNTS):
+    return attention.concentration(attention.colsum(probs_BNTS, real * 1.0), real)
+
+  np.testing.assert_allclose(c(jnp.full((B, N, T, T), 1.0 / T)), 0.0, atol=1e-6)
+  np.testing.assert_allclose(c(jnp.zeros((B, N, T, T)).at[..., 0].set(1)), 1, atol=1e-6)
   first = jnp.zeros((B, T), bool).at[:, 0].set(True)
-  c = np.array([1 + 1 / 2 + 1 / 3, 1 / 2 + 1 / 3, 1 / 3]) / 3
-  ref = 1 + (c * np.log(c)).sum() / np.log(3)
-  uniform = stages.concentration(stages.uniform_attention(real, first), real)
-  np.testing.assert_allclose(uniform, ref, rtol=1e-5)
-  assert abs(ref - 0.18) < 0.01
+  p = np.array([1 + 1 / 2 + 1 / 3, 1 / 2 + 1 / 3, 1 / 3]) / 3
+  ref = 1 + (p * np.log(p)).sum() / np.log(3)
+  base = attention.uniform(real, first)
+  np.testing.assert_allclose(base["uniform_concentration"], ref, rtol=1e-5)
+  np.testing.assert_allclose(base["uniform_top_share"], p[0], rtol=1e-5)
+  assert abs(ref - 0.18) < 0.01 and abs(p[0] - 0.611) < 0.001
+  # Two documents of 2 and 1 tokens: each its own causal baseline.
+  two = attention.uniform(real, first.at[:, 2].set(True))
+  np.testing.assert_allclose(two["uniform_top_share"], 0.5, rtol=1e-5)

@@ -54,12 +54,40 @@ def test_windows_mask_targets_across_document_boundaries():
   # Two documents: <bos> 5 6 <eos> | <bos> 7 8 9 <eos>
   tokens = np.array([1, 5, 6, 2, 1, 7, 8, 9, 2], np.int32)
   segments = np.array([0, 0, 0, 0, 1, 1, 1, 1, 1], np.int32)
-  b = lm.windows({"tokens": tokens, "segments": segments}, np.array([0, 1]), 4)
+  stream = {"tokens": tokens, "segments": segments}
+  b = lm.windows(stream, lm.rows(stream, 4, align=False), np.array([0, 1]), 4, 1)
   np.testing.assert_array_equal(b["inputs"], [[1, 5, 6, 2], [1, 7, 8, 9]])
   np.testing.assert_array_equal(b["targets"], [[5, 6, 2, 1], [7, 8, 9, 2]])
   # <eos> -> the next document's <bos> is not a prediction; <eos> itself is.
   np.testing.assert_array_equal(b["mask"], [[1, 1, 1, 0], [1, 1, 1, 1]])
   np.testing.assert_array_equal(b["segments"], [[0, 0, 0, 0], [1, 1, 1, 1]])
+
+
+def test_aligned_rows_start_at_bos_and_lose_no_token():
+  """data.align: every row starts at <bos>, a document's own or one placed in
+  front of its continuation; every target is predicted exactly once."""
+  rng = np.random.default_rng(0)
+  lengths = rng.integers(1, 30, 40)  # shorter and longer than a row
+  docs = [rng.integers(3, 50, n) for n in lengths]
+  stream = lm._stream(docs, 1, 2)
+  T = 8
+  table = lm.rows(stream, T, align=True)
+  b = lm.windows(stream, table, np.arange(len(table["start"])), T, 1)
+  assert (b["inputs"][:, 0] == 1).all()
+  assert table["placed"].any() and (~table["placed"]).any()
+  # The scored targets, row after row, are the stream's, once each, in order
+  # (a document's <bos> is no target; the stream's tail short of a row is left).
+  scored = b["targets"][b["mask"] > 0]
+  want = stream["tokens"][1:][stream["segments"][1:] == stream["segments"][:-1]]
+  np.testing.assert_array_equal(scored, want[: len(scored)])
+  assert len(want) - len(scored) < T
+  # A placed <bos> belongs to the document it continues and predicts nothing.
+  placed = b["segments"][table["placed"]]
+  assert (placed[:, 0] == placed[:, 1]).all()
+  assert (b["mask"][table["placed"], 0] == 0).all()
+  # Without align: rows at fixed offsets, every T tokens.
+  plain = lm.rows(stream, T, align=False)
+  np.testing.assert_array_equal(plain["start"], np.arange(len(plain["start"])) * T)
 
 
 def test_jsonl_documents_and_their_errors(lm_config, tmp_path):
@@ -143,7 +171,8 @@ def test_a_tokenizer_of_another_size_is_refused(lm_config, tmp_path):
 @pytest.mark.parametrize(
   "field, value, message",
   [
-    ("data.source", "generate", "must be 'stdlib', 'text:GLOB' or 'tfds:NAME"),
+    ("data.source", "generate", "must be 'stdlib', 'bigram_backcopy', 'text:GLOB'"),
+    ("data.bos", False, None),  # with data.align: rows start at <bos>
     ("data.vocab_size", 100, "must be >= 259"),
     ("data.seq_len", 1, "must be >= 2"),
     ("data.valid_fraction", 1.0, "must be in \\(0, 1\\)"),
@@ -158,6 +187,8 @@ def test_a_tokenizer_of_another_size_is_refused(lm_config, tmp_path):
 def test_lm_config_errors(lm_config, field, value, message):
   section, name = field.split(".")
   lm_config[section][name] = value
+  if message is None:
+    lm_config.data.align, field, message = True, "data.align", "rows start at <bos>"
   with pytest.raises(ConfigError, match=f"{field}: {message}"):
     config_lib.validate(lm_config)
 

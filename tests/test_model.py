@@ -185,3 +185,12 @@ def test_group_size_divides_num_loops(num_loops, scan_unroll, k):
   from loopjax.recurrence import group_size
 
   assert group_size(num_loops, scan_unroll) == k
+
+
+@pytest.mark.parametrize("init_state", ["random", "trunc_normal"])
+def test_a_random_first_state_without_a_key_is_a_clear_error(init_state):
+  model = build_model(model_cfg(init_state=init_state), V, T, 0)
+  tokens, pos = jnp.zeros((1, T), jnp.int32), jnp.zeros((1,), jnp.int32)
+  with pytest.raises(ValueError, match=f"model.init_state='{init_state}' draws"):
+    model(tokens, pos)
+  assert model(tokens, pos, key=jax.random.key(0)).shape == (1, V)

@@ -11,14 +11,16 @@ outputs, their reads and updates, the reads P iterations back and the previous
 iteration's attention weights. Each iteration emits only per-sequence and
 per-token scalars (`stages.layer_stats`, `stages.head_stats`,
 `fixed_points.step_metrics`), so the peak holds a few iterations' attention
-weights, whatever R is (`lm.analyze.memory` measures it).
+weights, whatever R is (`lm.analyze.memory` measures it). The distance to the
+last iterate needs that iterate first: a plain pass of the recurrence finds
+it, then the measured pass compares every iteration with it.
 """
 
 import jax
 import jax.numpy as jnp
 
 from loopjax import recurrence
-from loopjax.analysis import fixed_points, stages
+from loopjax.analysis import attention, fixed_points, stages
 
 
 def _stack(xs):
@@ -45,28 +47,51 @@ def _group(blocks, h_BTD, batch, first_BT, logits_fn):
   return h_BTD, {k: _stack(v) for k, v in out.items()}
 
 
+def _outputs(blocks, h_BTD, segments_BT):
+  """h through `blocks` as `_group` computes it, and the outputs (float32)."""
+  outs = []
+  for block in blocks:
+    h_BTD, _ = block(h_BTD, with_probs=True, segments_BT=segments_BT)
+    outs.append(h_BTD.astype(jnp.float32))
+  return h_BTD, jnp.stack(outs)
+
+
+def last_iterate(m, h_BTD, x_BTD, segments_BT, num_loops: int):
+  """The core's layer outputs (L, B, T, D) at iteration `num_loops`."""
+
+  def iteration(carry):
+    h_BTD, _ = carry
+    h_BTD, hidden = _outputs(m.core, m.inject(h_BTD, x_BTD), segments_BT)
+    return m.end_iteration(h_BTD), hidden
+
+  L, shape = len(m.core), h_BTD.shape
+  carry = (h_BTD, jnp.zeros((L, *shape), jnp.float32))
+  return recurrence.unroll(iteration, carry, num_loops)[0][1]
+
+
 def run(model, batch, num_loops: int, key=None) -> dict:
   """Per sequence, batch axis first: "embed", "prelude"/"coda" (B, P, ...),
   "core" (B, R, L, ...) layer statistics with their heads' ("*_heads"),
   "fixed_points" (`fixed_points.from_stream`'s layout) and "attention":
-  sink, top_share, entropy (B, R, L, N), stability (B, R-1, L, N) and the last
-  iteration's column sums, profile (B, 1, L, N, S) (the full trace's layout
-  with one iteration)."""
+  sink, top_share, entropy, concentration (B, R, L, N), stability (B, R-1, L,
+  N), the last iteration's column sums, profile (B, 1, L, N, S) (the full
+  trace's layout with one iteration), and the uniform baselines (B,)."""
   m, real_BT = model, batch["real"]
   first_BT = stages.first_tokens(batch["segments"])
   x_BTD = m.embed_tokens(batch["inputs"])
   out = {
     "embed": stages.layer_stats(x_BTD, batch, first_BT, m.logits),
-    # what uniform causal attention would give: depends on the windows only
-    "uniform_concentration": stages.concentration(
-      stages.uniform_attention(real_BT, first_BT), real_BT
-    )[:, 0],
   }
+  # what uniform causal attention would give: depends on the windows only
+  baselines = attention.uniform(real_BT, first_BT)
+  out["uniform_concentration"] = baselines["uniform_concentration"]
   x_BTD, prelude = _group(m.prelude, x_BTD, batch, first_BT, m.logits)
   h_BTD = m.initial_state(x_BTD, key)
   read = fixed_points.next_layer_reads(m, x_BTD)
   (B, T, D), L, N = h_BTD.shape, len(m.core), m.cfg.num_heads
   P = min(fixed_points.MAX_PERIOD, num_loops - 1)
+  last_h = last_iterate(m, h_BTD, x_BTD, batch["segments"], num_loops)
+  last_read = read(last_h)
   zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
   prev0 = {
     "h": zeros(L, B, T, D),
@@ -84,6 +109,7 @@ def run(model, batch, num_loops: int, key=None) -> dict:
     curves, delta = fixed_points.step_metrics(
       prev["h"], core["hidden"], prev["read"], read_L, prev["delta"]
     )
+    curves |= fixed_points.to_last(core["hidden"], read_L, last_h, last_read)
     tv_LBNT = 0.5 * jnp.abs(core["probs"] - prev["probs"]).sum(-1)
     queries = real_BT.astype(jnp.float32)[None, :, None]
     ys = {
@@ -125,9 +151,10 @@ def run(model, batch, num_loops: int, key=None) -> dict:
   # first has no previous state to compare, the update's first two none.
   curves = {k: v[1:] for k, v in ys["curves"].items()}
   curves["update"] = ys["curves"]["update"][2:]
-  limits = fixed_points.limit_metrics(last["h"], last["ring"][:P], last["read"])
+  limits = fixed_points.limit_metrics(read, last["h"], last["ring"][:P], last["read"])
   out["fixed_points"] = fixed_points.tokens_first(curves | limits) | {"real": real_BT}
-  heads = {k: ys["heads"][k] for k in ("sink", "top_share", "entropy")}
+  heads = {k: ys["heads"][k] for k in ("sink", "top_share", "entropy", "concentration")}
   out["attention"] = _batch_first(heads | {"stability": ys["stability"][1:]}, 2)
   out["attention"]["profile"] = _batch_first(last["colsum"], 1)[:, None]
+  out["attention"] |= baselines
   return out

@@ -13,18 +13,28 @@ the input injected first for the block's last layer):
   h(r+1) - h(r): how constant the update is (0: the same update every
   iteration, a stream growing linearly). Not a convergence test: a state
   approaching its limit geometrically keeps it at |1 - rho|;
-- `raw`: the raw relative change above, for comparison.
+- `raw`: the raw relative change above, for comparison;
+- `to_last`: ||read(h(r)) - read(h(R))|| / ||read(h(R))||, the distance to the
+  last iterate analyzed, and `cosine_last`: cos(h(r), h(R)) (MECH's measures,
+  over its horizon of R = 128 iterations).
 
 A token has converged from the first iteration after which its `change` stays
 below `tol`; a layer converges at the iteration by which a share `share` of the
 real tokens have (`converged_at_tol`: the same at each tolerance of LADDER).
-Its period is the smallest p at which that share of tokens'
-read states equal (within `tol`) their own p iterations back. The limit states
-of different layers are compared by the distance of their unit directions
-||u_l - u_m|| (u = h / ||h||, per token, median over tokens): every layer
-converged with every pair of limits further apart than `margin` is a cyclic
-fixed point (the block cycles through L states, one per layer); a block of one
-layer, or limits closer than `margin`, is a plain fixed point.
+MECH's verdict, `settled_at` (and `settled_at_tol`), is the same with
+`to_last` in place of `change`: from when the state stays within `tol` of the
+last one. A drift slower than `tol` per iteration settles by this measure
+near the horizon, never by `change`, so the kind of limit is decided on
+`change`. Its period is the smallest p at which that share of tokens'
+read states equal (within `tol`) their own p iterations back. The limits of
+different layers are compared by what the next layer reads: the distance
+||read_l(h_m) - read_l(h_l)|| / ||read_l(h_l)|| (per token, median over
+tokens), how different layer m's limit looks to the layer that reads layer l's
+(in a growing pre-norm stream raw directions draw together like 1/r; reads
+do not unless the block stops mattering). Every layer converged with every
+pair of limits further apart than `margin` is a cyclic fixed point (the block
+cycles through L states, one per layer); a block of one layer, or limits
+closer than `margin`, is a plain fixed point.
 """
 
 import jax.numpy as jnp
@@ -33,7 +43,7 @@ import numpy as np
 MAX_PERIOD = 4
 # Besides `tol`, where each layer reaches these (the tables' coarser view).
 LADDER = (1e-1, 3e-2, 1e-2, 3e-3, 1e-3)
-CURVES = ("change", "cosine", "update", "raw")
+CURVES = ("change", "cosine", "update", "raw", "to_last", "cosine_last")
 
 
 def next_layer_reads(model, x_BTD):
@@ -84,14 +94,21 @@ def step_metrics(h_prev, h_cur, read_prev, read_cur, delta_prev):
   return out, delta
 
 
-def limit_metrics(h_LBTD, read_PLBTD, read_LBTD):
+def to_last(h_LBTD, read_LBTD, last_h_LBTD, last_read_LBTD):
+  """Per token (L, B, T): `to_last` and `cosine_last` of one iteration."""
+  cos = (_unit(h_LBTD.astype(jnp.float32)) * _unit(last_h_LBTD)).sum(-1)
+  return {"to_last": _rel(read_LBTD, last_read_LBTD), "cosine_last": cos}
+
+
+def limit_metrics(read, h_LBTD, read_PLBTD, read_LBTD):
   """At the last iteration, per token: lag (P, L, B, T), the relative distance
   of each layer's read state to its own p = 1..P iterations back
-  (`read_PLBTD`, most recent first), and distance (L, L, B, T) between the
-  layers' unit directions."""
+  (`read_PLBTD`, most recent first), and distance (L, L, B, T), entry [l, m]
+  how far layer m's state is from layer l's as the reader of l sees them."""
   lag = _rel(read_LBTD[None], read_PLBTD)
-  u = _unit(h_LBTD.astype(jnp.float32))
-  distance = jnp.linalg.norm(u[:, None] - u[None], axis=-1)
+  L = h_LBTD.shape[0]
+  cross_MLBTD = read(jnp.broadcast_to(h_LBTD[:, None], (L, *h_LBTD.shape)))
+  distance = _rel(cross_MLBTD, read_LBTD[None]).swapaxes(0, 1)
   return {"lag": lag, "distance": distance}
 
 
@@ -104,10 +121,11 @@ def per_example(model, trace: dict, batch, pad_id: int) -> dict:
 
 def from_stream(h_RLBTD, read, real_BT) -> dict:
   """Per token, from every layer's output at every iteration: the curves (B, T,
-  R-1, L) (`update`: (B, T, R-2, L)), lag (B, T, P, L), distance (B, T, L, L),
-  and the real-token mask `real` (B, T). `read`: `next_layer_reads` (or any
-  map of (..., L, B, T, D) states, for a stream without a model). Computed
-  in float32, as the streamed pass computes it."""
+  R-1, L), entry i at iteration i + 2 (`update`: (B, T, R-2, L)), lag (B, T,
+  P, L), distance (B, T, L, L), and the real-token mask `real` (B, T).
+  `read`: `next_layer_reads` (or any map of (..., L, B, T, D) states, for a
+  stream without a model). Computed in float32, as the streamed pass
+  computes it."""
   h_RLBTD = h_RLBTD.astype(jnp.float32)
   r_RLBTD = read(h_RLBTD)
   R = h_RLBTD.shape[0]
@@ -120,8 +138,9 @@ def from_stream(h_RLBTD, read, real_BT) -> dict:
     jnp.concatenate([delta_RLBTD[:1], delta_RLBTD[:-1]]),
   )
   curves["update"] = curves["update"][1:]
+  curves |= to_last(h_RLBTD[1:], r_RLBTD[1:], h_RLBTD[-1:], r_RLBTD[-1:])
   P = min(MAX_PERIOD, R - 1)
-  limits = limit_metrics(h_RLBTD[-1], r_RLBTD[-1 - P : -1][::-1], r_RLBTD[-1])
+  limits = limit_metrics(read, h_RLBTD[-1], r_RLBTD[-1 - P : -1][::-1], r_RLBTD[-1])
   return tokens_first(curves | limits) | {"real": real_BT}
 
 
@@ -139,12 +158,23 @@ def converged_from(change_NR: np.ndarray, tol: float) -> np.ndarray:
   return np.where(last + 2 <= R, last + 2, np.inf).astype(float)
 
 
+def settled_from(to_last_NR: np.ndarray, tol: float) -> np.ndarray:
+  """Per token, the first iteration from which `to_last` stays below `tol`
+  (entry i is iteration i + 2; iteration 1 is not compared)."""
+  above_NR = np.asarray(to_last_NR) >= tol
+  R = above_NR.shape[1]
+  last = np.where(above_NR.any(1), R - 1 - np.argmax(above_NR[:, ::-1], 1), -1)
+  return np.where(last < R - 1, last + 3, np.inf).astype(float)
+
+
 def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
   """Per layer: median curves over real tokens, `converged_at` (the iteration
   by which `share` of the tokens have converged, or None), `converged_share`
-  (tokens converged by the last iteration) and `period`; the median distance
-  between the layers' limits; and the `kind` of limit: "fixed point", "cyclic
-  fixed point", "cycle of period p" or "not converged"."""
+  (tokens converged by the last iteration), `settled_at` (MECH's, by the
+  distance to the last iterate), both on the tolerance ladder, and `period`;
+  the median distance between the layers' limits; and the `kind` of limit:
+  "fixed point", "cyclic fixed point", "cycle of period p" or "not
+  converged"."""
   real = np.asarray(examples["real"], bool)
   tok = {k: np.asarray(v)[real] for k, v in examples.items() if k != "real"}
   L = tok["change"].shape[-1]
@@ -167,6 +197,11 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
           for t in LADDER
         },
         "converged_share": float(np.isfinite(at_N).mean()),
+        "settled_at": _reached(settled_from(tok["to_last"][:, :, l], tol), share),
+        "settled_at_tol": {
+          str(t): _reached(settled_from(tok["to_last"][:, :, l], t), share)
+          for t in LADDER
+        },
         "period": periods[0] if periods else None,
       }
     )

@@ -129,6 +129,15 @@ def fixed_points(report: dict, path: Path) -> Path:
       ls=":",
       label=f"layer {l + 1}: 1 - cosine",
     )
+    if "to_last" in layer:  # MECH's: how far from the last iterate analyzed
+      axes[0].plot(
+        r + 1,
+        layer["to_last"],
+        color=line.get_color(),
+        ls="-.",
+        lw=1,
+        label=f"layer {l + 1}: distance to the last iterate",
+      )
   axes[0].axhline(fp["tol"], color="gray", ls=":", lw=1)  # the verdict's metric
   for ax in axes[:2]:
     for d in report["train_depths"]:
@@ -156,10 +165,11 @@ def fixed_points(report: dict, path: Path) -> Path:
 
 
 def attention(report: dict, path: Path) -> Path:
-  """Per layer and head: ColSum top share and pattern change per iteration; the
-  normalized column sums at the last iteration."""
+  """Per layer and head: ColSum concentration (uniform attention's dashed) and
+  pattern change per iteration; the normalized column sums at the last
+  iteration."""
   split, att = main_result(report, "attention")
-  top_RLN, tv_RLN = np.asarray(att["top_share"]), np.asarray(att["stability"])
+  top_RLN, tv_RLN = np.asarray(att["concentration"]), np.asarray(att["stability"])
   profile_LNS = np.asarray(att["profile"])
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
   L, N = top_RLN.shape[1:]
@@ -168,7 +178,8 @@ def attention(report: dict, path: Path) -> Path:
       label = f"L{l + 1}H{n + 1}"
       axes[0].plot(np.arange(1, len(top_RLN) + 1), top_RLN[:, l, n], label=label)
       axes[1].plot(np.arange(2, len(tv_RLN) + 2), tv_RLN[:, l, n], label=label)
-  axes[0].set_ylabel("ColSum top share")
+  axes[0].axhline(att["uniform"]["concentration"], color="k", ls="--", lw=1)
+  axes[0].set_ylabel("ColSum concentration (dashed: uniform)")
   axes[1].set_ylabel("total variation vs previous iteration")
   axes[1].set_yscale("log")
   for ax in axes[:2]:
@@ -259,6 +270,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
       "converged share",
       "period",
       "read change below 1e-1 / 3e-2 / 1e-2 / 3e-3 / 1e-3 from",
+      "within 1e-1 / ... / 1e-3 of the last iterate from (MECH)",
       "last change: read / raw / update / 1 - cos",
       "distance to other layers",
     ]
@@ -278,6 +290,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
             f"{x['converged_share']:.2f}",
             str(x["period"] or "-"),
             ladder(x),
+            ladder(x, "settled_at_tol"),
             " / ".join(f"{v:.1e}" for v in last),
             ", ".join(apart) or "-",
           ]
@@ -287,7 +300,8 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
       "split",
       "layer",
       "head",
-      "top share: iter 1 / last",
+      "ColSum C: iter 1 / last (uniform)",
+      "top share: iter 1 / last (uniform)",
       "entropy (last)",
       "change (last)",
       "profile (last)",
@@ -295,6 +309,7 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
     for split, att in report[name].items():
       top, ent = np.asarray(att["top_share"]), np.asarray(att["entropy"])
       tv, prof = np.asarray(att["stability"]), np.asarray(att["profile"])
+      conc, base = np.asarray(att["concentration"]), att["uniform"]
       for l in range(top.shape[1]):
         for n in range(top.shape[2]):
           out.append(
@@ -302,7 +317,9 @@ def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
               split,
               str(l + 1),
               str(n + 1),
-              f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f}",
+              f"{conc[0, l, n]:.2f} / {conc[-1, l, n]:.2f} "
+              f"({base['concentration']:.2f})",
+              f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f} ({base['top_share']:.2f})",
               f"{ent[-1, l, n]:.2f}",
               f"{tv[-1, l, n]:.1e}" if len(tv) else "-",
               _profile(prof[l, n]),
@@ -342,9 +359,10 @@ def fixed_cell(r: dict) -> str:
   return f"{r['kind']} ({conv}); {r['change'][-1]:.1e} at r = {n} -> {n + 1}"
 
 
-def ladder(layer: dict) -> str:
-  """The iterations a layer's read change falls below each LADDER tolerance."""
-  return " / ".join(str(r or "-") for r in layer.get("converged_at_tol", {}).values())
+def ladder(layer: dict, key: str = "converged_at_tol") -> str:
+  """The iterations from which a layer's read change (or, `settled_at_tol`,
+  its distance to the last iterate) stays below each LADDER tolerance."""
+  return " / ".join(str(r or "-") for r in layer.get(key, {}).values())
 
 
 def _profile(p_S) -> str:
@@ -377,10 +395,11 @@ def summary(name: str, report: dict) -> str:
       for l, x in enumerate(res["layers"])
     )
   if name == "attention":
-    top = np.asarray(res["top_share"])
+    conc = np.asarray(res["concentration"])
     return (
-      f"{split}: ColSum top share, mean over heads, {top[0].mean():.2f} at "
-      f"iteration 1, {top[-1].mean():.2f} at the last"
+      f"{split}: ColSum concentration, mean over heads, {conc[0].mean():.2f} at "
+      f"iteration 1, {conc[-1].mean():.2f} at the last (uniform attention: "
+      f"{res['uniform']['concentration']:.2f})"
     )
   ratio = np.asarray(res["ratio"])
   return f"{split}: max/median |h| up to {ratio.max():.1f}"

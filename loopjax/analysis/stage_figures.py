@@ -64,10 +64,15 @@ def table(name: str, report: dict) -> str:
     [r["label"], *("-" if r[k] is None else f"{r[k]:.3g}" for k in stats)]
     for r in res["positions"]
   ]
-  rep = res["repetition"]
-  body.append(
-    ["repetition (eta^2)", *("-" if rep[k] is None else f"{rep[k]:.2f}" for k in stats)]
-  )
+  trained = res.get("trained_loops")
+  for key, label in (
+    ("repetition", f"repetition (eta^2), iterations 2-{trained}"),
+    ("repetition_past", f"repetition past R = {trained}"),
+  ):
+    rep = res.get(key, {})
+    body.append(
+      [label, *("-" if rep.get(k) is None else f"{rep[k]:.2f}" for k in stats)]
+    )
   mem = res["memory"]
   return (
     markdown(head, body)
@@ -84,10 +89,14 @@ def summary(name: str, report: dict) -> str:
   core = [r for r in res["positions"] if r["iteration"] and r["label"][0] == "r"]
   best = max(core, key=lambda r: r["massive_ratio"])
   rep = res["repetition"]["massive_ratio"]
+  past = res.get("repetition_past", {}).get("massive_ratio")
   return (
     f"sink rate up to {max(r['sink_rate'] for r in core):.2f}, max/median |h| up to "
     f"{best['massive_ratio']:.0f} ({best['label']}), repetition of it "
     + ("-" if rep is None else f"{rep:.2f}")
+    + " within the trained R, "
+    + ("-" if past is None else f"{past:.2f}")
+    + " past it"
   )
 
 

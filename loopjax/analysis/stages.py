@@ -25,9 +25,11 @@ of a language model, per sequence:
   applied to the layer's output (`LoopedTransformer.logits`).
 
 `repetition` says how much of a statistic's variation across the core's
-positions (iterations 2 to the last analyzed, past the trained R too) the layer
-index explains (eta squared): near 1, each iteration repeats the same profile
-over its layers; the first iteration, a transient, is left out.
+positions the layer index explains (eta squared): near 1, each iteration
+repeats the same profile over its layers. MECH's two claims apart: within the
+trained recurrence (iterations 2 to the trained R; the first, a transient, is
+left out) and, as `repetition_past`, past it (the iterations after the
+trained R, to the last analyzed).
 """
 
 import jax
@@ -57,8 +59,8 @@ def first_tokens(segments_BT):
 
 
 def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
-  """Per sequence and head (B, N): sink mass, ColSum top share and entropy;
-  and the normalized column sums (B, N, S)."""
+  """Per sequence and head (B, N): sink mass, ColSum top share, entropy and
+  concentration; and the normalized column sums (B, N, S)."""
   probs = probs_BNTS.astype(jnp.float32)
   queries_BT = (real_BT & ~first_BT).astype(jnp.float32)[:, None]
   mass_BNT = (probs * first_BT[:, None, None, :]).sum(-1)
@@ -68,27 +70,8 @@ def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
     "sink": sink_BN,
     "top_share": p_BNS.max(-1),
     "entropy": -xlogy(p_BNS, p_BNS).sum(-1),
-    "concentration": concentration(probs, real_BT),
+    "concentration": attention.concentration(p_BNS, real_BT),
   }, p_BNS
-
-
-def concentration(probs_BNTS, real_BT):
-  """MECH's ColSum concentration per sequence and head (B, N)."""
-  p_BNS = attention.colsum(probs_BNTS.astype(jnp.float32), real_BT.astype(jnp.float32))
-  log_n_B1 = jnp.log(jnp.maximum(real_BT.sum(-1), 2).astype(jnp.float32))[:, None]
-  return 1.0 - (-xlogy(p_BNS, p_BNS).sum(-1)) / log_n_B1
-
-
-def uniform_attention(real_BT, first_BT):
-  """(B, 1, T, T): each real query spread evenly over the real keys it may
-  see (earlier ones of its own document, itself included)."""
-  T = real_BT.shape[1]
-  seg_BT = jnp.cumsum(first_BT, -1)
-  seen_BTS = (seg_BT[:, :, None] == seg_BT[:, None]) & jnp.tril(
-    jnp.ones((1, T, T), bool)
-  )
-  seen_BTS = seen_BTS & real_BT[:, None, :]
-  return (seen_BTS / jnp.maximum(seen_BTS.sum(-1, keepdims=True), 1))[:, None]
 
 
 def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
@@ -139,11 +122,12 @@ def position_summary(layer: dict, heads: dict | None, threshold: float) -> dict:
   }
 
 
-def summarize(ex: dict, threshold: float) -> dict:
+def summarize(ex: dict, threshold: float, trained: int) -> dict:
   """Along effective depth: `positions` (label, iteration, layer) with every
   STAT per position, `colsum_uniform` (ColSum concentration of uniform causal
-  attention on these windows), and `repetition` (eta squared per STAT, None where the
-  block has one layer, fewer than 3 iterations were traced or the statistic is
+  attention on these windows), and `repetition` within the `trained` R and
+  `repetition_past` it (eta squared per STAT, None where the block has one
+  layer, fewer than 2 iterations are in the range or the statistic is
   constant)."""
   R, L = ex["core"]["tokens"].shape[1:3]
   positions = [
@@ -166,15 +150,19 @@ def summarize(ex: dict, threshold: float) -> dict:
     {"label": lbl, "iteration": r, "layer": l} | position_summary(s, h, threshold)
     for lbl, r, l, s, h in positions
   ]
-  core = [x for x in rows if 2 <= x["iteration"] <= R and x["label"].startswith("r")]
+  core = [x for x in rows if x["label"].startswith("r")]
+  within = [x for x in core if 2 <= x["iteration"] <= trained]
+  past = [x for x in core if x["iteration"] > trained]
   real = ex["embed"]["tokens"] > 0
   return {
     "threshold": threshold,
     "num_loops": R,
+    "trained_loops": trained,
     "num_layers": L,
     "colsum_uniform": float(np.mean(ex["uniform_concentration"][real])),
     "positions": rows,
-    "repetition": {k: repetition(core, k, L) for k in STATS},
+    "repetition": {k: repetition(within, k, L) for k in STATS},
+    "repetition_past": {k: repetition(past, k, L) for k in STATS},
   }
 
 

@@ -2,6 +2,10 @@
 
   stdlib         the running Python's standard library sources (offline, on
                  every machine with Python; tests and site-packages left out)
+  bigram_backcopy
+                 Guo et al. 2024's Bigram-Backcopy task (`bigram_backcopy`),
+                 generated from data.seed: the positive control of the
+                 attention-sink analyses
   text:GLOB      local files: .jsonl (one JSON object per line, its
                  `data.text_field` a document), anything else one document per file
   tfds:NAME[:CONFIG]
@@ -20,6 +24,8 @@ import json
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+
+import numpy as np
 
 from loopjax.errors import ConfigError
 
@@ -44,6 +50,8 @@ def load(data_cfg) -> Corpus:
   source = data_cfg.source
   if source == "stdlib":
     return Corpus(source, tuple(_stdlib()))
+  if source == "bigram_backcopy":
+    return Corpus(source, tuple(bigram_backcopy(data_cfg.seed)))
   if source.startswith("text:"):
     return Corpus(source, tuple(_text(source.removeprefix("text:"), data_cfg)))
   return _tfds(source.removeprefix("tfds:"), data_cfg)  # config.validate: nothing else
@@ -61,6 +69,37 @@ def _stdlib() -> Iterator[tuple[str, str]]:
       continue  # a few sources declare other encodings; not worth a run failing
     if text.strip():
       yield str(rel), text
+
+
+# Bigram-Backcopy's size: 64 symbols, 3 of them triggers, 4096 documents.
+BB_SYMBOLS = "".join(chr(c) for c in range(ord("0"), ord("0") + 64))
+BB_TRIGGERS = 3
+BB_DOCS, BB_LENGTH = 4096, 126
+
+
+def bigram_backcopy(seed: int) -> Iterator[tuple[str, str]]:
+  """Guo et al. 2024 ("Active-Dormant Attention Heads"): each symbol follows
+  the one before it by a fixed random bigram table, except after a trigger,
+  which is followed by the symbol before it. Only a trigger's successor needs
+  attention; elsewhere a head has nothing to read, and it parks its attention
+  on <bos>: a sink by construction. One ASCII character per symbol, so a
+  byte-level tokenizer at data.vocab_size=259 (no merges) maps each to a token.
+  """
+  rng = np.random.default_rng(seed)
+  V = len(BB_SYMBOLS)
+  cdf_VV = np.cumsum(rng.dirichlet(np.full(V, 0.3), V), 1)  # few likely successors
+  trigger_V = np.zeros(V, bool)
+  trigger_V[rng.choice(V, BB_TRIGGERS, replace=False)] = True
+  first_N = rng.choice(np.flatnonzero(~trigger_V), BB_DOCS)
+  u_NL = rng.random((BB_DOCS, BB_LENGTH))
+  for d in range(BB_DOCS):
+    x = [int(first_N[d])]
+    for i in range(1, BB_LENGTH):
+      t = x[-1]
+      x.append(
+        x[-2] if trigger_V[t] else min(int(cdf_VV[t].searchsorted(u_NL[d, i])), V - 1)
+      )
+    yield f"{d:05d}", "".join(BB_SYMBOLS[i] for i in x)
 
 
 def _text(pattern: str, data_cfg) -> Iterator[tuple[str, str]]:

@@ -9,14 +9,20 @@ out for validation by a hash of their key (or the source's own validation
 split), so no text of a held-out document is ever trained on.
 
 Each split is read into one stream: `<bos> doc <eos> <bos> doc <eos> ...`
-(`data.bos`), with the document index of every token. A sequence is a window
+(`data.bos`), with the document index of every token. A sequence is a row
 of `data.seq_len + 1` tokens: the inputs and, shifted by one, the targets;
 attention stays inside a document (segment ids) and a target that starts
-another document gets no loss.
+another document gets no loss. Rows follow each other along the stream, each
+target predicted once per epoch (`rows`): at fixed offsets, or with
+`data.align` each starting at `<bos>` (a sink needs a token fixed at position
+0 to form on, Gu et al. 2025): a document's own, or, where a row starts
+inside a document, a `<bos>` placed in front of its continuation (StreamingLLM's
+dedicated start token; it predicts nothing).
 """
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 from pathlib import Path
 
@@ -47,13 +53,24 @@ class LmData:
   streams: dict  # split -> {"tokens": (N,), "segments": (N,)} int32
   fingerprint: str
   task: str = "lm"
+  align: bool = False
 
   def model_dims(self) -> tuple[int, int]:
     """(vocab size, longest sequence) the model is built for."""
     return self.vocab_size, self.seq_len
 
+  @functools.cached_property
+  def rows(self) -> dict:
+    """split -> `rows` of its stream."""
+    return {k: rows(v, self.seq_len, self.align) for k, v in self.streams.items()}
+
   def num_windows(self, split: str) -> int:
-    return max((len(self.streams[split]["tokens"]) - 1) // self.seq_len, 0)
+    return len(self.rows[split]["start"])
+
+  def windows(self, split: str, idx_B: np.ndarray) -> dict:
+    """The batch of rows `idx_B` of a split (`windows`)."""
+    stream, rows_ = self.streams[split], self.rows[split]
+    return windows(stream, rows_, idx_B, self.seq_len, self.bos_id)
 
   def summary(self) -> dict:
     """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
@@ -64,20 +81,47 @@ class LmData:
     }
 
 
-def windows(stream: dict, idx_B: np.ndarray, seq_len: int) -> dict:
-  """The batch of windows `idx_B`: inputs, targets, their loss mask, segments."""
-  return windows_at(stream, idx_B * seq_len, seq_len)
+def rows(stream: dict, seq_len: int, align: bool) -> dict:
+  """The rows of seq_len + 1 tokens along a stream, as {"start": (N,) int64,
+  "placed": (N,) bool}: a row's first stream token, and whether a `<bos>` is
+  placed before it. Each row's last target is the next row's first input.
+  Without `align` rows sit at fixed offsets. With it (the stream starts at a
+  `<bos>`), a row starting at a document's `<bos>` takes seq_len + 1 stream
+  tokens; one starting inside a document takes seq_len behind a placed `<bos>`
+  whose prediction, the previous row's last target, gets no loss. So every
+  target is predicted once, and no token is lost."""
+  n = len(stream["tokens"])
+  if not align:
+    num = max((n - 1) // seq_len, 0)
+    return {"start": np.arange(num) * seq_len, "placed": np.zeros(num, bool)}
+  seg = stream["segments"]
+  doc_start = np.r_[True, seg[1:] != seg[:-1]]
+  start, placed, p = [], [], 0
+  while True:
+    own = bool(doc_start[p]) if p < n else True
+    if p + seq_len + own > n:
+      break
+    start.append(p)
+    placed.append(not own)
+    p += seq_len - (not own)
+  return {"start": np.asarray(start, np.int64), "placed": np.asarray(placed, bool)}
 
 
-def windows_at(stream: dict, start_B: np.ndarray, seq_len: int) -> dict:
-  """`windows` of seq_len tokens starting at any positions `start_B`."""
-  at_BT = start_B[:, None] + np.arange(seq_len + 1)[None]
+def windows(stream: dict, rows: dict, idx_B: np.ndarray, seq_len: int, bos_id: int):
+  """The batch of rows `idx_B` (`rows`): inputs, targets, their loss mask and
+  segment ids."""
+  placed_B = rows["placed"][idx_B]
+  at_BT = rows["start"][idx_B][:, None] - placed_B[:, None] + np.arange(seq_len + 1)
   tokens, segments = stream["tokens"][at_BT], stream["segments"][at_BT]
+  tokens[placed_B, 0] = bos_id
+  segments[placed_B, 0] = segments[placed_B, 1]
+  mask = segments[:, 1:] == segments[:, :-1]
+  mask[placed_B, 0] = False  # the previous row's last target
   return {
     "inputs": tokens[:, :-1],
     "targets": tokens[:, 1:],
     "segments": segments[:, :-1],
-    "mask": (segments[:, 1:] == segments[:, :-1]).astype(np.float32),
+    "mask": mask.astype(np.float32),
   }
 
 
@@ -309,7 +353,11 @@ def read(data_cfg) -> LmData:
     eos_id=eos,
     seq_len=int(data_cfg.seq_len),
     streams=streams,
-    fingerprint=_sha(f"{stored}|{_sha(tok_json)}|bos={bool(data_cfg.bos)}"),
+    fingerprint=_sha(
+      f"{stored}|{_sha(tok_json)}|bos={bool(data_cfg.bos)}"
+      + ("|align" if data_cfg.align else "")  # unaligned runs keep theirs
+    ),
+    align=bool(data_cfg.align),
   )
   for split in streams:
     if data.num_windows(split) < 1:
@@ -371,11 +419,10 @@ def decode(tokenizer_json: str, ids) -> str:
 
 def train_iterator(data: LmData, batch_size: int, seed: int, shard=(0, 1)):
   """Endless shuffled batches of training windows (pipeline.shuffled_batches)."""
-  stream, T = data.streams["train"], data.seq_len
   return pipeline.shuffled_batches(
     np.arange(data.num_windows("train")),
     batch_size,
     seed,
-    lambda idx_B: windows(stream, idx_B, T),
+    lambda idx_B: data.windows("train", idx_B),
     shard,
   )

@@ -25,7 +25,7 @@ COLUMNS = (
   "acc @4R",
   "fixed points (converged at; last layer's read change at the last iteration)",
   "ColSum profile (last iteration)",
-  "top share",
+  "ColSum C / top share (uniform attention's)",
   "bridge MRR @relation",
   "wall",
 )
@@ -61,6 +61,9 @@ def row(run: Path) -> dict:
     res = main_result(att, "attention")[1]
     out["profile"] = np.asarray(res["profile"]).mean((0, 1)).tolist()
     out["top_share"] = float(np.asarray(res["top_share"])[-1].mean())
+    if "concentration" in res:  # analyses before MECH's C have the top share only
+      out["concentration"] = float(np.asarray(res["concentration"])[-1].mean())
+      out["uniform"] = res["uniform"]
   lens = _load(run, "logit_lens")
   if lens:
     core = main_result(lens, "logit_lens")[1].get("core")
@@ -81,12 +84,23 @@ def table(rows: list[dict]) -> str:
       *(_num(acc.get(k)) for k in (1, 2, 4)),
       mechanistic_figures.fixed_cell(r) if conv else "-",
       _profile(r["profile"]) if "profile" in r else "-",
-      _num(r.get("top_share")),
+      _attention_cell(r),
       _num(r.get("bridge_mrr")),
       "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min",
     ]
     lines.append(cells)
   return markdown(list(COLUMNS), lines)
+
+
+def _attention_cell(r: dict) -> str:
+  """C / top share at the last iteration, uniform causal attention's beside."""
+  if "concentration" not in r:
+    return _num(r.get("top_share"))
+  u = r["uniform"]
+  return (
+    f"{r['concentration']:.2f} / {r['top_share']:.2f} "
+    f"({u['concentration']:.2f} / {u['top_share']:.2f})"
+  )
 
 
 def _profile(shares) -> str:

@@ -1,8 +1,8 @@
 """A language model's analyses: fixed points, stages of inference and
 attention, from one streamed pass over validation windows (`depth_scan`).
 
-`analyze.lm_windows` windows of validation text (documents held out whole),
-each starting at a document's first token, are run to `analyze.max_depth`
+`analyze.lm_windows` rows of validation text (documents held out whole),
+drawn as training draws its rows (`data.align`), are run to `analyze.max_depth`
 iterations, `analyze.batch_size` windows at a time. Writes `fixed_points`,
 `stages` and `attention` as .json, .md and .png; `stages.json` also records
 the pass's compiled memory next to what stacking every attention weight
@@ -25,7 +25,6 @@ from loopjax.analysis import (
   stages,
   views,
 )
-from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.names import LM_STREAMED
 from loopjax.state import Model, eval_key
@@ -33,27 +32,11 @@ from loopjax.state import Model, eval_key
 SPLIT = "validation"
 
 
-def document_starts(stream: dict, seq_len: int, n: int) -> np.ndarray:
-  """Up to n window starts, each at a document's first token (its <bos>),
-  the windows not overlapping."""
-  seg = stream["segments"]
-  out, end = [], 0
-  for s in np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]):
-    if len(out) == n:
-      break
-    if s >= end and s + seq_len < len(seg):
-      out.append(s)
-      end = s + seq_len
-  return np.asarray(out, np.int64)
-
-
 def batches(task, num_windows: int, batch_size: int):
-  """(batches, n): n windows of validation text, each starting at a document's
-  first token (so every segment's first token is its <bos>, as in the
-  pretrained models MECH analyzes), the last batch filled by repeating
-  windows (cut from the results: the first n rows count)."""
-  start_N = document_starts(task.streams[SPLIT], task.seq_len, num_windows)
-  n = len(start_N)
+  """(batches, n): the first n rows of validation text, drawn as training
+  draws its rows (`data.align`: each starting at <bos>), the last batch
+  filled by repeating rows (cut from the results: the first n rows count)."""
+  n = min(num_windows, task.num_windows(SPLIT))
   if n == 0:
     raise ConfigError(
       f"data.valid_fraction: the validation split holds no window of "
@@ -62,9 +45,7 @@ def batches(task, num_windows: int, batch_size: int):
   B = min(batch_size, n)
   out = []
   for i in range(0, n, B):
-    batch = lm.windows_at(
-      task.streams[SPLIT], np.resize(start_N[i : i + B], B), task.seq_len
-    )
+    batch = task.windows(SPLIT, np.resize(np.arange(i, min(i + B, n)), B))
     batch["real"] = np.ones(batch["inputs"].shape, bool)
     out.append(batch)
   return out, n
@@ -124,7 +105,9 @@ def run(
     "fixed_points": lambda: fixed_points.summarize(
       ex["fixed_points"], a.tol, a.fp_share, a.cycle_margin
     ),
-    "stages": lambda: stages.summarize(ex, a.sink_threshold) | {"memory": mem},
+    "stages": lambda: (
+      stages.summarize(ex, a.sink_threshold, config.model.num_loops) | {"memory": mem}
+    ),
     "attention": lambda: (
       attention.summarize(ex["attention"])
       | {"sink": ex["attention"]["sink"].mean(0).tolist()}

@@ -13,7 +13,6 @@ import jax
 import numpy as np
 
 from loopjax import loss, recurrence, sharding
-from loopjax.data import lm
 from loopjax.state import Model, eval_key
 
 
@@ -71,7 +70,7 @@ class LmEvaluator:
 
   def __init__(self, graphdef, config, task, mesh=None, param_shardings=None):
     self.R, self.depths = config.model.num_loops, depths(config)
-    self.data, self.seq_len = task, task.seq_len
+    self.data = task
     n = task.num_windows("validation")
     limit = config.data.valid_sequences
     self.windows = np.arange(min(n, limit) if limit else n)
@@ -88,11 +87,11 @@ class LmEvaluator:
       self._put = lambda b: sharding.global_from_full(b, put)
 
   def _batches(self):
-    stream, B = self.data.streams["validation"], self.batch_size
+    B = self.batch_size
     for start in range(0, len(self.windows), B):
       idx = self.windows[start : start + B]
       real = len(idx)
-      batch = lm.windows(stream, np.resize(idx, B), self.seq_len)
+      batch = self.data.windows("validation", np.resize(idx, B))
       batch["mask"][real:] = 0.0  # the repeated windows that fill the last batch
       yield batch
 

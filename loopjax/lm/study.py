@@ -5,10 +5,11 @@ Per run (config.json names the variant; `--mode=analyze` wrote
 placement, L x R), validation loss at R, 2R and 4R iterations and the best
 iteration count (the last in-loop evaluation), whether the core reaches a
 (cyclic) fixed point and by which iteration, the attention-sink rate and
-massive-activation ratio of the first iteration's layers and of the last
-trained iteration's, whether the stages repeat per iteration (eta squared of
-the massive-activation ratio and of the sink mass over the core's layers), and
-wall time.
+massive-activation ratio and ColSum concentration (beside uniform
+attention's) of the first iteration's layers and of the last trained
+iteration's, whether the stages repeat per iteration (eta squared of the
+massive-activation ratio and of the sink mass over the core's layers) within
+the trained recurrence and past it, and wall time.
 """
 
 import json
@@ -30,10 +31,12 @@ COLUMNS = (
   "@4R",
   "best (iterations)",
   "fixed point (converged at; last layer's read change at the last iteration)",
+  "settled (MECH: within tol of the last iterate), per layer",
   "sink rate: iter 1 / R (max over layers)",
+  "ColSum C: iter 1 / R (max over layers; uniform)",
   "max/median |h|: iter 1 / R (max over layers)",
   "first-token norm ratio: iter 1 / R (max over layers)",
-  "stages repeat (eta^2: massive, sink)",
+  "stages repeat (eta^2: massive, sink): within R; past R",
   "wall",
 )
 
@@ -78,6 +81,7 @@ def row(run: Path) -> dict:
   if fp:
     out["kind"] = fp["kind"]
     out["converged_at"] = [x["converged_at"] for x in fp["layers"]]
+    out["settled_at"] = [x.get("settled_at") for x in fp["layers"]]
     out["change"] = fp["layers"][-1]["change"]
   st = _analysis(run, "stages")
   if st:
@@ -87,9 +91,14 @@ def row(run: Path) -> dict:
     def at(r, stat):  # the largest over iteration r's layers (None: not traced)
       return max((p[stat] for p in core if p["iteration"] == r), default=None)
 
-    for stat in ("sink_rate", "massive_ratio", "first_ratio"):
+    for stat in ("sink_rate", "massive_ratio", "first_ratio", "colsum_concentration"):
       out[stat] = (at(1, stat), at(R, stat))
-    out["repeat"] = (st["repetition"]["massive_ratio"], st["repetition"]["sink_mass"])
+    out["colsum_uniform"] = st.get("colsum_uniform")
+    out["repeat"] = [
+      (st[k]["massive_ratio"], st[k]["sink_mass"])
+      for k in ("repetition", "repetition_past")
+      if k in st
+    ]
   return out
 
 
@@ -112,15 +121,22 @@ def table(rows: list[dict]) -> str:
         *(_num(loss.get(k * R), ".3f") for k in (1, 2, 4)),
         f"{loss[best]:.3f} ({best})" if best else "-",
         mechanistic_figures.fixed_cell(r) if conv else "-",
+        " / ".join(str(x or "-") for x in r.get("settled_at", [])) or "-",
         *(
           " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
-          for stat, fmt in (
-            ("sink_rate", ".2f"),
-            ("massive_ratio", ".1f"),
-            ("first_ratio", ".2f"),
-          )
+          for stat, fmt in (("sink_rate", ".2f"),)
         ),
-        " / ".join(_num(v) for v in r["repeat"]) if "repeat" in r else "-",
+        (
+          " / ".join(_num(v) for v in r["colsum_concentration"])
+          + f" ({_num(r.get('colsum_uniform'))})"
+          if "colsum_concentration" in r
+          else "-"
+        ),
+        *(
+          " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
+          for stat, fmt in (("massive_ratio", ".1f"), ("first_ratio", ".2f"))
+        ),
+        "; ".join(" / ".join(_num(v) for v in x) for x in r.get("repeat", [])) or "-",
         "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min",
       ]
     )
@@ -153,11 +169,13 @@ def figure(rows: list[dict], path: Path) -> Path:
     ylabel="read-state change, last layer (median over tokens)",
   )
   axes[1, 0].set(
+    xscale="log",
     yscale="log",
     xlabel="core layer applications",
     ylabel="max |h| / median |h|",
   )
   axes[1, 1].set(
+    xscale="log",
     xlabel="core layer applications",
     ylabel="attention mass on the first token (mean over heads)",
   )
@@ -168,9 +186,53 @@ def figure(rows: list[dict], path: Path) -> Path:
   return save(fig, path)
 
 
+def along_training(runs: list[Path], path: Path) -> Path | None:
+  """Per run, one panel: the sink mass per iteration (max over the layers) at
+  every checkpoint analyzed (`analysis/step_N`, and the newest), so a sink
+  that forms, moves between iterations or fades shows; None if no run has
+  an earlier checkpoint analyzed."""
+  courses = {}
+  for run in runs:
+    found = sorted(
+      (int(p.parent.name.removeprefix("step_")), p)
+      for p in run.glob("analysis/step_*/stages.json")
+    )
+    if found and (run / "analysis/stages.json").exists():
+      last = json.loads((run / "analysis/stages.json").read_text())
+      found.append((last["step"], run / "analysis/stages.json"))
+      courses[run.name] = found
+  if not courses:
+    return None
+  fig, axes = plt.subplots(
+    1, len(courses), figsize=(4.5 * len(courses), 4), sharey=True, squeeze=False
+  )
+  for ax, (name, found) in zip(axes[0], courses.items(), strict=True):
+    for i, (step, p) in enumerate(dict(found).items()):
+      res = json.loads(p.read_text())["stages"]["validation"]
+      core = [x for x in res["positions"] if x["label"][0] == "r"]
+      R = max(x["iteration"] for x in core)
+      mass = [
+        max(x["sink_mass"] for x in core if x["iteration"] == r)
+        for r in range(1, R + 1)
+      ]
+      color = plt.cm.viridis(i / max(len(found) - 1, 1))
+      ax.plot(np.arange(1, R + 1), mass, marker=".", color=color, label=f"step {step}")
+    ax.axvline(res["trained_loops"], color="gray", ls=":", lw=1)
+    ax.set(xscale="log", xlabel="iteration (dotted: trained R)", title=name)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[0, 0].set_ylabel("attention mass on <bos> (max over layers)")
+  fig.suptitle("attention sinks along training, per iteration")
+  return save(fig, path)
+
+
 def write(root: Path, runs: list[Path]) -> list[Path]:
-  """`root/lm_study.md` and `root/plots/lm_study.png` for the LM runs."""
-  rows = [row(r) for r in runs if is_lm(r)]
+  """`root/lm_study.md` and `root/plots/lm_study.png` for the LM runs, and
+  `plots/lm_study_sinks.png` where earlier checkpoints were analyzed."""
+  lm_runs = [r for r in runs if is_lm(r)]
+  rows = [row(r) for r in lm_runs]
   if not rows:
     return []
-  return write_sweep_report(root, "lm_study", table(rows), lambda p: figure(rows, p))
+  out = write_sweep_report(root, "lm_study", table(rows), lambda p: figure(rows, p))
+  course = along_training(lm_runs, root / "plots" / "lm_study_sinks.png")
+  return out + ([course] if course else [])

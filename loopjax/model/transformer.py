@@ -79,6 +79,11 @@ class LoopedTransformer(nnx.Module):
       return x_BTD
     if self.cfg.init_state == "zeros":
       return jnp.zeros_like(x_BTD)
+    if key is None:  # not jax.random's TypeError on None deep in the trace
+      raise ValueError(
+        f"model.init_state={self.cfg.init_state!r} draws the first state at random: "
+        "pass a key (jax.random.key) to this forward"
+      )
     if self.cfg.init_state == "trunc_normal":  # Huginn's
       z = jax.random.truncated_normal(key, -3.0, 3.0, x_BTD.shape, jnp.float32)
       return (z * self.cfg.init_state_std).astype(x_BTD.dtype)
