@@ -160,11 +160,12 @@ def converged_from(change_NR: np.ndarray, tol: float) -> np.ndarray:
 
 def settled_from(to_last_NR: np.ndarray, tol: float) -> np.ndarray:
   """Per token, the first iteration from which `to_last` stays below `tol`
-  (entry i is iteration i + 2; iteration 1 is not compared)."""
+  (entry i is iteration i + 2; iteration 1 is not compared); inf where only
+  the last iterate is (itself: distance 0)."""
   above_NR = np.asarray(to_last_NR) >= tol
   R = above_NR.shape[1]
   last = np.where(above_NR.any(1), R - 1 - np.argmax(above_NR[:, ::-1], 1), -1)
-  return np.where(last < R - 1, last + 3, np.inf).astype(float)
+  return np.where(last < R - 2, last + 3, np.inf).astype(float)
 
 
 def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
