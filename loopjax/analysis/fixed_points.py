@@ -149,23 +149,26 @@ def tokens_first(out: dict) -> dict:
   return {k: jnp.moveaxis(v, (-2, -1), (0, 1)) for k, v in out.items()}
 
 
+def _after_last_above(x_NR: np.ndarray, tol: float) -> np.ndarray:
+  """Per token, the index after the last entry at or above `tol` (0: none)."""
+  above_NR = np.asarray(x_NR) >= tol
+  n = above_NR.shape[1]
+  return np.where(above_NR.any(1), n - np.argmax(above_NR[:, ::-1], 1), 0)
+
+
 def converged_from(change_NR: np.ndarray, tol: float) -> np.ndarray:
   """Per token, the first iteration r from which every later change is below
   `tol` (entry r-1 compares iterations r and r+1); inf where the last is not."""
-  above_NR = np.asarray(change_NR) >= tol
-  R = above_NR.shape[1]
-  last = np.where(above_NR.any(1), R - 1 - np.argmax(above_NR[:, ::-1], 1), -1)
-  return np.where(last + 2 <= R, last + 2, np.inf).astype(float)
+  k_N, n = _after_last_above(change_NR, tol), np.shape(change_NR)[1]
+  return np.where(k_N < n, k_N + 1, np.inf).astype(float)
 
 
 def settled_from(to_last_NR: np.ndarray, tol: float) -> np.ndarray:
   """Per token, the first iteration from which `to_last` stays below `tol`
   (entry i is iteration i + 2; iteration 1 is not compared); inf where only
   the last iterate is (itself: distance 0)."""
-  above_NR = np.asarray(to_last_NR) >= tol
-  R = above_NR.shape[1]
-  last = np.where(above_NR.any(1), R - 1 - np.argmax(above_NR[:, ::-1], 1), -1)
-  return np.where(last < R - 2, last + 3, np.inf).astype(float)
+  k_N, n = _after_last_above(to_last_NR, tol), np.shape(to_last_NR)[1]
+  return np.where(k_N < n - 1, k_N + 2, np.inf).astype(float)
 
 
 def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
