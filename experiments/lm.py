@@ -149,10 +149,10 @@ def control(c, tiny: bool) -> None:
   symbol per token), rows aligned at <bos>, a 1-layer 1-head model (learned
   positions, weight decay 0.5) applied R = 4 times; `sweep("control")` adds
   the feedforward R = 1 and the injection and norm variants. Checkpoints
-  every 500 steps are kept: the sink forms early and may fade (at d 128, 128
-  tokens and lr 1e-3 the feedforward model's mass on <bos> was 0.62 at step
-  600 and 0.14 at 3000), so it is analyzed along training. `tiny`: a smaller
-  model in seconds (the default suite)."""
+  every 500 steps are kept, to analyze the sink along training: it depends
+  on the shape (at d 128, 128-token rows and lr 1e-3 the feedforward model
+  put 0.14 of its attention on <bos> at step 3000; docs/results/
+  lm_control.md). `tiny`: a smaller model in seconds (the default suite)."""
   c.data.update(
     source="bigram_backcopy", vocab_size=259, seq_len=64, align=True, valid_sequences=32
   )
