@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from loopjax import config as config_lib
-from loopjax.data import corpus, lm
+from loopjax.data import corpus, lm, packing
 from loopjax.errors import ConfigError
 
 
@@ -55,7 +55,9 @@ def test_windows_mask_targets_across_document_boundaries():
   tokens = np.array([1, 5, 6, 2, 1, 7, 8, 9, 2], np.int32)
   segments = np.array([0, 0, 0, 0, 1, 1, 1, 1, 1], np.int32)
   stream = {"tokens": tokens, "segments": segments}
-  b = lm.windows(stream, lm.rows(stream, 4, align=False), np.array([0, 1]), 4, 1)
+  b = packing.windows(
+    stream, packing.rows(stream, 4, align=False), np.array([0, 1]), 4, 1
+  )
   np.testing.assert_array_equal(b["inputs"], [[1, 5, 6, 2], [1, 7, 8, 9]])
   np.testing.assert_array_equal(b["targets"], [[5, 6, 2, 1], [7, 8, 9, 2]])
   # <eos> -> the next document's <bos> is not a prediction; <eos> itself is.
@@ -69,10 +71,10 @@ def test_aligned_rows_start_at_bos_and_lose_no_token():
   rng = np.random.default_rng(0)
   lengths = rng.integers(1, 30, 40)  # shorter and longer than a row
   docs = [rng.integers(3, 50, n) for n in lengths]
-  stream = lm._stream(docs, 1, 2)
+  stream = packing.to_stream(docs, 1, 2)
   T = 8
-  table = lm.rows(stream, T, align=True)
-  b = lm.windows(stream, table, np.arange(len(table["start"])), T, 1)
+  table = packing.rows(stream, T, align=True)
+  b = packing.windows(stream, table, np.arange(len(table["start"])), T, 1)
   assert (b["inputs"][:, 0] == 1).all()
   assert table["placed"].any() and (~table["placed"]).any()
   # The scored targets, row after row, are the stream's, once each, in order
@@ -86,7 +88,7 @@ def test_aligned_rows_start_at_bos_and_lose_no_token():
   assert (placed[:, 0] == placed[:, 1]).all()
   assert (b["mask"][table["placed"], 0] == 0).all()
   # Without align: rows at fixed offsets, every T tokens.
-  plain = lm.rows(stream, T, align=False)
+  plain = packing.rows(stream, T, align=False)
   np.testing.assert_array_equal(plain["start"], np.arange(len(plain["start"])) * T)
 
 

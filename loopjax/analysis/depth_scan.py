@@ -47,22 +47,13 @@ def _group(blocks, h_BTD, batch, first_BT, logits_fn):
   return h_BTD, {k: _stack(v) for k, v in out.items()}
 
 
-def _outputs(blocks, h_BTD, segments_BT):
-  """h through `blocks` as `_group` computes it, and the outputs (float32)."""
-  outs = []
-  for block in blocks:
-    h_BTD, _ = block(h_BTD, with_probs=True, segments_BT=segments_BT)
-    outs.append(h_BTD.astype(jnp.float32))
-  return h_BTD, jnp.stack(outs)
-
-
 def last_iterate(m, h_BTD, x_BTD, segments_BT, num_loops: int):
-  """The core's layer outputs (L, B, T, D) at iteration `num_loops`."""
+  """The core's layer outputs (L, B, T, D), float32, at iteration
+  `num_loops`, computed as the measured pass computes them (with_probs)."""
 
   def iteration(carry):
-    h_BTD, _ = carry
-    h_BTD, hidden = _outputs(m.core, m.inject(h_BTD, x_BTD), segments_BT)
-    return m.end_iteration(h_BTD), hidden
+    h_BTD, layers = m.core_step(carry[0], x_BTD, True, segments_BT)
+    return h_BTD, layers["hidden"].astype(jnp.float32)
 
   L, shape = len(m.core), h_BTD.shape
   carry = (h_BTD, jnp.zeros((L, *shape), jnp.float32))

@@ -12,12 +12,8 @@ Each split is read into one stream: `<bos> doc <eos> <bos> doc <eos> ...`
 (`data.bos`), with the document index of every token. A sequence is a row
 of `data.seq_len + 1` tokens: the inputs and, shifted by one, the targets;
 attention stays inside a document (segment ids) and a target that starts
-another document gets no loss. Rows follow each other along the stream, each
-target predicted once per epoch (`rows`): at fixed offsets, or with
-`data.align` each starting at `<bos>` (a sink needs a token fixed at position
-0 to form on, Gu et al. 2025): a document's own, or, where a row starts
-inside a document, a `<bos>` placed in front of its continuation (StreamingLLM's
-dedicated start token; it predicts nothing).
+another document gets no loss. Rows follow each other along the stream
+(`packing`: at fixed offsets, or with `data.align` each starting at `<bos>`).
 """
 
 import dataclasses
@@ -30,7 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from loopjax.data import corpus as corpus_lib
-from loopjax.data import pipeline, tfds_kg
+from loopjax.data import packing, pipeline, tfds_kg
 from loopjax.errors import ConfigError
 
 SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
@@ -61,16 +57,18 @@ class LmData:
 
   @functools.cached_property
   def rows(self) -> dict:
-    """split -> `rows` of its stream."""
-    return {k: rows(v, self.seq_len, self.align) for k, v in self.streams.items()}
+    """split -> `packing.rows` of its stream."""
+    return {
+      k: packing.rows(v, self.seq_len, self.align) for k, v in self.streams.items()
+    }
 
   def num_windows(self, split: str) -> int:
     return len(self.rows[split]["start"])
 
   def windows(self, split: str, idx_B: np.ndarray) -> dict:
-    """The batch of rows `idx_B` of a split (`windows`)."""
-    stream, rows_ = self.streams[split], self.rows[split]
-    return windows(stream, rows_, idx_B, self.seq_len, self.bos_id)
+    """The batch of rows `idx_B` of a split (`packing.windows`)."""
+    stream, rows = self.streams[split], self.rows[split]
+    return packing.windows(stream, rows, idx_B, self.seq_len, self.bos_id)
 
   def summary(self) -> dict:
     """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
@@ -79,50 +77,6 @@ class LmData:
       "sizes": {k: len(v["tokens"]) for k, v in self.streams.items()},
       "vocab_size": self.vocab_size,
     }
-
-
-def rows(stream: dict, seq_len: int, align: bool) -> dict:
-  """The rows of seq_len + 1 tokens along a stream, as {"start": (N,) int64,
-  "placed": (N,) bool}: a row's first stream token, and whether a `<bos>` is
-  placed before it. Each row's last target is the next row's first input.
-  Without `align` rows sit at fixed offsets. With it (the stream starts at a
-  `<bos>`), a row starting at a document's `<bos>` takes seq_len + 1 stream
-  tokens; one starting inside a document takes seq_len behind a placed `<bos>`
-  whose prediction, the previous row's last target, gets no loss. So every
-  target is predicted once, and no token is lost."""
-  n = len(stream["tokens"])
-  if not align:
-    num = max((n - 1) // seq_len, 0)
-    return {"start": np.arange(num) * seq_len, "placed": np.zeros(num, bool)}
-  seg = stream["segments"]
-  doc_start = np.r_[True, seg[1:] != seg[:-1]]
-  start, placed, p = [], [], 0
-  while True:
-    own = bool(doc_start[p]) if p < n else True
-    if p + seq_len + own > n:
-      break
-    start.append(p)
-    placed.append(not own)
-    p += seq_len - (not own)
-  return {"start": np.asarray(start, np.int64), "placed": np.asarray(placed, bool)}
-
-
-def windows(stream: dict, rows: dict, idx_B: np.ndarray, seq_len: int, bos_id: int):
-  """The batch of rows `idx_B` (`rows`): inputs, targets, their loss mask and
-  segment ids."""
-  placed_B = rows["placed"][idx_B]
-  at_BT = rows["start"][idx_B][:, None] - placed_B[:, None] + np.arange(seq_len + 1)
-  tokens, segments = stream["tokens"][at_BT], stream["segments"][at_BT]
-  tokens[placed_B, 0] = bos_id
-  segments[placed_B, 0] = segments[placed_B, 1]
-  mask = segments[:, 1:] == segments[:, :-1]
-  mask[placed_B, 0] = False  # the previous row's last target
-  return {
-    "inputs": tokens[:, :-1],
-    "targets": tokens[:, 1:],
-    "segments": segments[:, :-1],
-    "mask": mask.astype(np.float32),
-  }
 
 
 # --- the tokenizer -------------------------------------------------------------
@@ -344,7 +298,9 @@ def read(data_cfg) -> LmData:
       f"{builder.data_dir}: the tokens on disk do not match their fingerprint; "
       "the data is corrupt, delete that directory"
     )
-  streams = {k: _stream(v, bos if data_cfg.bos else None, eos) for k, v in docs.items()}
+  streams = {
+    k: packing.to_stream(v, bos if data_cfg.bos else None, eos) for k, v in docs.items()
+  }
   data = LmData(
     tokenizer_json=tok_json,
     vocab_size=_rows(data_cfg, tok_json),
@@ -398,15 +354,6 @@ def without_streams(data_cfg, tokenizer_json: str | None = None) -> LmData:
     streams={},
     fingerprint="",
   )
-
-
-def _stream(docs, bos: int | None, eos: int) -> dict:
-  pieces, segments = [np.zeros(0, np.int32)], [np.zeros(0, np.int32)]
-  for i, ids in enumerate(docs):
-    doc = np.concatenate([[] if bos is None else [bos], ids, [eos]]).astype(np.int32)
-    pieces.append(doc)
-    segments.append(np.full(len(doc), i, np.int32))
-  return {"tokens": np.concatenate(pieces), "segments": np.concatenate(segments)}
 
 
 def encode(tokenizer_json: str, text: str) -> list[int]:

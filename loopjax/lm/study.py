@@ -112,6 +112,10 @@ def table(rows: list[dict]) -> str:
     loss, R = r["loss"], r["R"]
     best = min(loss, key=loss.get) if loss else None
     conv = r.get("converged_at")
+
+    def pair(stat, fmt=".2f", r=r):  # iteration 1 / R
+      return " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
+
     lines.append(
       [
         r["run"],
@@ -122,20 +126,12 @@ def table(rows: list[dict]) -> str:
         f"{loss[best]:.3f} ({best})" if best else "-",
         mechanistic_figures.fixed_cell(r) if conv else "-",
         " / ".join(str(x or "-") for x in r.get("settled_at", [])) or "-",
-        *(
-          " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
-          for stat, fmt in (("sink_rate", ".2f"),)
-        ),
-        (
-          " / ".join(_num(v) for v in r["colsum_concentration"])
-          + f" ({_num(r.get('colsum_uniform'))})"
-          if "colsum_concentration" in r
-          else "-"
-        ),
-        *(
-          " / ".join(_num(v, fmt) for v in r[stat]) if stat in r else "-"
-          for stat, fmt in (("massive_ratio", ".1f"), ("first_ratio", ".2f"))
-        ),
+        pair("sink_rate"),
+        pair("colsum_concentration") + f" ({_num(r.get('colsum_uniform'))})"
+        if "colsum_concentration" in r
+        else "-",
+        pair("massive_ratio", ".1f"),
+        pair("first_ratio"),
         "; ".join(" / ".join(_num(v) for v in x) for x in r.get("repeat", [])) or "-",
         "-" if r["wall_s"] is None else f"{r['wall_s'] / 60:.1f} min",
       ]
