@@ -110,7 +110,7 @@ def adaptive(
     logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
     entropy, argmax = jnp.full(U, jnp.inf), jnp.full(U, -1)
   else:
-    entropy, argmax = _entropy(logp), logp.argmax(-1)
+    entropy, argmax = entropy_of(logp), logp.argmax(-1)
   init = Carry(
     t=jnp.zeros((), jnp.int32),
     h=h_BTD,
@@ -144,7 +144,7 @@ def adaptive(
       h=h_new,
       logp=jnp.where(active[..., None], logp_new, c.logp),
       logp_prev=logp_new,
-      entropy=_entropy(logp_new),
+      entropy=entropy_of(logp_new),
       argmax=argmax,
       exit_cdf=cdf,
       halted=c.halted | (active & settled & (t >= r_min)),
@@ -199,7 +199,7 @@ def _kl(logp, logq):
   return (jnp.exp(logp) * (logp - logq)).sum(-1)
 
 
-def _entropy(logp):
+def entropy_of(logp):
   return -(jnp.exp(logp) * logp).sum(-1)
 
 
@@ -230,15 +230,15 @@ def _cosine_gap(s: Step):
 # `names.HALTING_CRITERIA`, the names config validation knows.
 CRITERIA = {
   "kl_entropy": lambda s, l: (
-    (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau)
+    (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau)
   ),
   "kl_entropy_len": lambda s, l: (
-    (_kl(s.logp, s.logp_prev) < l.eps) & (_entropy(s.logp) < l.tau_seq)
+    (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau_seq)
   ),
   "kl": lambda s, l: _kl(s.logp, s.logp_prev) < l.eps,
   "kl_reverse": lambda s, l: _kl(s.logp_prev, s.logp) < l.eps,
-  "entropy": lambda s, l: _entropy(s.logp) < l.tau,
-  "entropy_diff": lambda s, l: jnp.abs(_entropy(s.logp) - s.entropy_prev) < l.eps,
+  "entropy": lambda s, l: entropy_of(s.logp) < l.tau,
+  "entropy_diff": lambda s, l: jnp.abs(entropy_of(s.logp) - s.entropy_prev) < l.eps,
   "latent": lambda s, l: _latent(s, l.eps),
   "latent_diff": lambda s, l: _latent_diff(s) < l.eps,
   "cosine": lambda s, l: _cosine_gap(s) < l.eps,

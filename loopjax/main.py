@@ -101,7 +101,7 @@ def _load_config(wd: Workdir):
 
 
 def _sampling() -> dict:
-  """--mode=sample's flags, as `lm.sample.generate`'s arguments."""
+  """--mode=sample's flags, as `lm.generate.generate`'s arguments."""
   return dict(
     num_loops=FLAGS.num_loops,
     max_new_tokens=FLAGS.max_new_tokens,

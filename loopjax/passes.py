@@ -18,7 +18,7 @@ from loopjax import task as task_lib
 from loopjax.analysis import depth_scan
 from loopjax.bench import measure
 from loopjax.errors import ConfigError, first_line
-from loopjax.lm import sample
+from loopjax.lm import generate
 from loopjax.names import LM_STREAMED
 from loopjax.pretrained import load
 
@@ -159,11 +159,15 @@ def _sampling(config, task, model) -> dict:
   key = jax.eval_shape(lambda: jax.random.key(0))
   tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
   token, offset = jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(T)
+  start = jax.ShapeDtypeStruct((1,), jnp.int32)
   return {
-    f"sampling, prefill of {T} tokens": (sample.prefill, (model, tokens, cache, key)),
+    f"sampling, prefill of {T} tokens": (
+      generate.prefill,
+      (model, tokens, cache, key, start),
+    ),
     f"sampling, one token (cache of {S})": (
-      sample.decode_step,
-      (model, token, cache, offset, key),
+      generate.decode_step,
+      (model, token, cache, offset, key, start),
     ),
   }
 

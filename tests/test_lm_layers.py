@@ -149,7 +149,7 @@ def test_embed_scale_and_state_norm():
 
 
 def test_a_huginn_shaped_block_decodes_like_its_forward():
-  from loopjax.lm.sample import generate
+  from loopjax.lm.generate import generate
   from loopjax.state import Model
 
   m = build_model(
@@ -172,6 +172,6 @@ def test_a_huginn_shaped_block_decodes_like_its_forward():
   )
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
   prompt = np.asarray([[1, 7, 9, 3]], np.int32)
-  out, step_logits = generate(Model(nnx.graphdef(m), params), prompt, 6, num_loops=2)
-  full = np.asarray(m(jnp.asarray(out), None))
-  np.testing.assert_allclose(step_logits, full[:, 3:9], atol=2e-4)
+  g = generate(Model(nnx.graphdef(m), params), prompt, 6, num_loops=2, keep_logits=True)
+  full = np.asarray(m(jnp.concatenate([prompt, np.asarray(g.tokens)], 1), None))
+  np.testing.assert_allclose(g.logits, full[:, 3:9], atol=2e-4)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from experiments import lm as lm_experiment
 from loopjax import loss
-from loopjax.lm.sample import generate
+from loopjax.lm.generate import generate
 from loopjax.state import Model, build_model
 
 V, T = 64, 40  # T > layers.ELEMENTWISE_MAX_LEN: the fused-attention path
@@ -86,7 +86,8 @@ def test_decoding_with_the_cache_equals_the_full_forward(overrides):
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
   graphdef = nnx.graphdef(m)
   prompt = np.asarray(tokens(3, (2, 7)))
-  out, step_logits = generate(Model(graphdef, params), prompt, 12, num_loops=3)
+  g = generate(Model(graphdef, params), prompt, 12, num_loops=3, keep_logits=True)
+  out, step_logits = np.concatenate([prompt, np.asarray(g.tokens)], 1), g.logits
   assert out.shape == (2, 19)
   full = np.asarray(m(jnp.asarray(out), None))  # logits at every position
   # The logits that chose token t+1 are the full forward's at position t.
@@ -98,8 +99,11 @@ def test_more_recurrences_at_sampling_are_more_iterations():
   m = model()
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
   prompt = np.asarray(tokens(4, (1, 5)))
-  _, at3 = generate(Model(nnx.graphdef(m), params), prompt, 2, num_loops=3)
-  _, at6 = generate(Model(nnx.graphdef(m), params), prompt, 2, num_loops=6)
+  at3, at6 = (
+    generate(Model(nnx.graphdef(m), params), prompt, 2, num_loops=r, keep_logits=True)
+    .logits
+    for r in (3, 6)
+  )
   np.testing.assert_allclose(
     at6[:, 0], m(jnp.asarray(prompt), None, num_loops=6)[:, -1], atol=2e-4
   )
@@ -150,7 +154,11 @@ def test_the_fused_loss_gradient_equals_autodiff_of_the_whole_logits():
 def test_sampling_from_a_random_initial_state_draws_one_per_call():
   m = model(init_state="random", injection="add")
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
-  out, logits = generate(
-    Model(nnx.graphdef(m), params), np.asarray(tokens(8, (1, 4))), 3, num_loops=2
+  g = generate(
+    Model(nnx.graphdef(m), params),
+    np.asarray(tokens(8, (1, 4))),
+    3,
+    num_loops=2,
+    keep_logits=True,
   )
-  assert out.shape == (1, 7) and np.isfinite(logits).all()
+  assert len(g.tokens[0]) == 3 and np.isfinite(g.logits).all()

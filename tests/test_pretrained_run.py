@@ -62,14 +62,14 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   token is the argmax of the full forward over the text before it (one
   forward over the whole text: teacher forcing)."""
   from loopjax.data import lm
-  from loopjax.lm.sample import generate
+  from loopjax.lm.generate import generate
 
   c = config("ouro", "ouro")
   text = sample.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
   prompt = lm.encode(tok, "how many apples")  # <s> and 3 words
   _, model = restore.from_hf_dir(c)
-  tokens, _ = generate(model, np.asarray([prompt]), 5, num_loops=4)
+  tokens = np.asarray([prompt + generate(model, [prompt], 5, num_loops=4).tokens[0]])
   decoded = lm.tokenizer_from_json(tok).decode(list(map(int, tokens[0])), True)
   assert text == decoded and tokens.shape == (1, 9)
   logits_TV = model.module()(jnp.asarray(tokens), None)[0]

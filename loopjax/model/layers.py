@@ -68,23 +68,33 @@ def rope_frequencies(H: int, base: float, llama3=()) -> np.ndarray:
   )
 
 
-def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half", llama3=()):
+def rope(
+  x_BTNH,
+  base: float = 10_000.0,
+  offset=0,
+  pairing: str = "half",
+  llama3=(),
+  start_B=None,
+):
   """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
   position-dependent angles, so q.k depends on positions only through their
   difference (chains longer than any trained on keep familiar offsets).
-  `offset`: the position of the first token (decoding with a cache; traced).
+  `offset`: the position of the first token (decoding with a cache; traced);
+  `start_B`: each row's first real slot (left-padded prompts), from which its
+  positions count.
   `pairing`: which dimensions rotate together, (i, i + H/2) ("half": Llama,
   GPT-NeoX) or (2i, 2i + 1) ("interleaved": the original, Huginn); `llama3`:
   see `rope_frequencies`."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[3]
   freq_F = rope_frequencies(H, base, llama3)
-  if isinstance(offset, int):  # a constant: folded at trace time
+  if isinstance(offset, int) and start_B is None:  # folded at trace time
     angle_TF = (offset + np.arange(T))[:, None] * freq_F[None]
-    cos, sin = np.cos(angle_TF), np.sin(angle_TF)
+    cos, sin = (f[None, :, None] for f in (np.cos(angle_TF), np.sin(angle_TF)))
   else:
-    angle_TF = (offset + jnp.arange(T))[:, None] * freq_F[None]
-    cos, sin = jnp.cos(angle_TF), jnp.sin(angle_TF)
-  cos, sin = (f[None, :, None].astype(x_BTNH.dtype) for f in (cos, sin))
+    pos_BT = positions(offset, T, start_B)
+    angle_BTF = pos_BT[..., None] * freq_F[None, None]
+    cos, sin = (f[:, :, None] for f in (jnp.cos(angle_BTF), jnp.sin(angle_BTF)))
+  cos, sin = (f.astype(x_BTNH.dtype) for f in (cos, sin))
   if pairing == "interleaved":
     x1, x2 = x_BTNH[..., 0::2], x_BTNH[..., 1::2]
     return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).reshape(
@@ -92,6 +102,13 @@ def rope(x_BTNH, base: float = 10_000.0, offset=0, pairing: str = "half", llama3
     )
   x1, x2 = x_BTNH[..., : H // 2], x_BTNH[..., H // 2 :]
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def positions(offset, T: int, start_B=None):
+  """Positions (B or 1, T) of T tokens in slots offset..: counted from each
+  row's `start_B` (left-padded prompts; earlier slots clip to 0)."""
+  pos_1T = (offset + jnp.arange(T))[None]
+  return pos_1T if start_B is None else jnp.maximum(pos_1T - start_B[:, None], 0)
 
 
 class Attention(nnx.Module):
@@ -129,7 +146,7 @@ class Attention(nnx.Module):
     )
     self.bo = zeros(rngs, (d,), ("embed",))
 
-  def _qkv(self, x_BTD, offset=0):
+  def _qkv(self, x_BTD, offset=0, start_B=None):
     """q (B, T, N, H) and k, v (B, T, K, H), rotated where rotary."""
     B, T, D = x_BTD.shape
     x_MD = x_BTD.reshape(B * T, D)
@@ -148,8 +165,8 @@ class Attention(nnx.Module):
       q_BTNH = self.q_norm(q_BTNH.reshape(B, T, -1)).reshape(q_BTNH.shape)
       k_BTKH = self.k_norm(k_BTKH.reshape(B, T, -1)).reshape(k_BTKH.shape)
     if self.rotary:
-      q_BTNH = rope(q_BTNH, offset=offset, **self.rope)
-      k_BTKH = rope(k_BTKH, offset=offset, **self.rope)
+      q_BTNH = rope(q_BTNH, offset=offset, start_B=start_B, **self.rope)
+      k_BTKH = rope(k_BTKH, offset=offset, start_B=start_B, **self.rope)
     return q_BTNH, k_BTKH, v_BTKH
 
   def _out(self, out_BTNH):
@@ -157,21 +174,26 @@ class Attention(nnx.Module):
     out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, -1)
     return (out_MD + self.bo[None]).reshape(B, T, -1)
 
-  def cached(self, x_BTD, kv, offset):
-    """Attention of tokens at positions offset.. over a cache of earlier keys
-    and values (B, S, K, H) each, which it returns with theirs written in."""
-    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, offset)
+  def cached(self, x_BTD, kv, offset, start_B=None):
+    """Attention of tokens in slots offset.. over a cache of earlier keys and
+    values (B, S, K, H) each, which it returns with theirs written in;
+    `start_B`: each row's first real slot (the slots before it: left padding,
+    never attended to)."""
+    q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, offset, start_B)
     k_BSKH, v_BSKH = (
       jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), offset, 1)
       for c, new in zip(kv, (k_BTKH, v_BTKH), strict=True)
     )
     T, S = x_BTD.shape[1], k_BSKH.shape[1]
     seen_TS = jnp.arange(S)[None] <= (offset + jnp.arange(T))[:, None]
+    seen_1TS = seen_TS[None]
+    if start_B is not None:
+      seen_1TS = seen_1TS & (jnp.arange(S)[None, None] >= start_B[:, None, None])
     out_BTNH = jax.nn.dot_product_attention(
       q_BTNH,
       k_BSKH.astype(q_BTNH.dtype),
       v_BSKH.astype(q_BTNH.dtype),
-      mask=seen_TS[None, None],
+      mask=seen_1TS[:, None],
     )
     return self._out(out_BTNH), (k_BSKH, v_BSKH)
 
@@ -290,10 +312,10 @@ class Block(nnx.Module):
     )
     return (x_BTD, probs) if with_probs else x_BTD
 
-  def cached(self, x_BTD, kv, offset):
-    """The layer on tokens at positions offset.., attention over a key/value
+  def cached(self, x_BTD, kv, offset, start_B=None):
+    """The layer on tokens in slots offset.., attention over a key/value
     cache (Attention.cached): (output, the updated cache)."""
-    return self._apply(x_BTD, lambda y: self.attn.cached(y, kv, offset))
+    return self._apply(x_BTD, lambda y: self.attn.cached(y, kv, offset, start_B))
 
   def _apply(self, x_BTD, attn):
     """The layer around `attn` (input -> (output, extra)): (output, extra)."""

@@ -6,7 +6,7 @@ import numpy as np
 from flax import nnx
 
 from loopjax import recurrence, sharding
-from loopjax.model.layers import Block, Norm, param, zeros
+from loopjax.model.layers import Block, Norm, param, positions, zeros
 
 
 def sinusoidal(max_len: int, d: int) -> np.ndarray:
@@ -55,9 +55,10 @@ class LoopedTransformer(nnx.Module):
       else param(rngs, normal, (d, vocab_size), ("embed", "vocab"))
     )
 
-  def embed_tokens(self, tokens_BT, offset=0):
+  def embed_tokens(self, tokens_BT, offset=0, start_B=None):
     """Token (and absolute position) embeddings; `offset`: the first token's
-    position (decoding with a cache; may be traced)."""
+    slot (decoding with a cache; may be traced), `start_B`: each row's first
+    real slot (left-padded prompts), from which its positions count."""
     # The table whole, as FSDP gathers any weight before use: a lookup in a
     # table split over `embed` would reshard its (B, T, D) cotangent by full
     # rematerialization in the backward scatter.
@@ -69,9 +70,11 @@ class LoopedTransformer(nnx.Module):
     kind = self.cfg.pos_encoding
     if kind in ("learned", "sinusoidal"):
       table = self.pos[...] if kind == "learned" else sinusoidal(self.max_len, D)
-      x_BTD = x_BTD + jax.lax.dynamic_slice_in_dim(table, offset, T)[None].astype(
-        x_BTD.dtype
-      )
+      if start_B is None:
+        pos_1TD = jax.lax.dynamic_slice_in_dim(table, offset, T)[None]
+      else:
+        pos_1TD = jnp.asarray(table)[positions(offset, T, start_B)]
+      x_BTD = x_BTD + pos_1TD.astype(x_BTD.dtype)
     return x_BTD
 
   def initial_state(self, x_BTD, key):
@@ -194,34 +197,53 @@ class LoopedTransformer(nnx.Module):
       "coda": [kv() for _ in self.coda],
     }
 
-  def decode(self, tokens_BT, cache: dict, offset, key=None):
-    """Next-token logits (B, T, V) of tokens at positions offset.., given the
-    caches of every earlier position (`init_cache`); returns the caches with
+  def decode(self, tokens_BT, cache: dict, offset, key=None, start_B=None):
+    """Next-token logits (B, T, V) of tokens in slots offset.., given the
+    caches of every earlier slot (`init_cache`); returns the caches with
     these tokens' keys and values written in. Prefill and one-token steps are
-    the same call; R is the caches' leading core axis. Equal to the full
-    forward's logits at those positions (a random initial state excepted:
-    it is drawn per call)."""
-    x_BTD = self.embed_tokens(tokens_BT, offset)
-    new = {"prelude": [], "coda": []}
-    for block, kv in zip(self.prelude, cache["prelude"], strict=True):
-      x_BTD, kv = block.cached(x_BTD, kv, offset)
-      new["prelude"].append(kv)
-    h_BTD = self.initial_state(x_BTD, key)
+    the same call; R is the caches' leading core axis. `start_B`: each row's
+    first real slot (prompts of different lengths, padded on the left).
+    Equal to the full forward's logits at those positions (a random initial
+    state excepted: it is drawn per call)."""
+    x_BTD, h_BTD, new = self.decode_in(tokens_BT, cache, offset, key, start_B)
 
     def iteration(h_BTD, kv_per_layer):
-      h_BTD = self.inject(h_BTD, x_BTD)
-      out = []
-      for block, kv in zip(self.core, kv_per_layer, strict=True):
-        h_BTD, kv = block.cached(h_BTD, kv, offset)
-        out.append(kv)
-      return self.end_iteration(h_BTD), out
+      return self.cached_step(h_BTD, x_BTD, kv_per_layer, offset, start_B)
 
     h_BTD, new["core"] = jax.lax.scan(iteration, h_BTD, cache["core"])
+    return self.decode_out(h_BTD, cache, offset, start_B, new)
+
+  def decode_in(self, tokens_BT, cache, offset, key=None, start_B=None):
+    """`decode`'s embedding and prelude: (x_BTD, the first state, the new
+    caches so far)."""
+    x_BTD = self.embed_tokens(tokens_BT, offset, start_B)
+    new = {"prelude": [], "coda": []}
+    for block, kv in zip(self.prelude, cache["prelude"], strict=True):
+      x_BTD, kv = block.cached(x_BTD, kv, offset, start_B)
+      new["prelude"].append(kv)
+    return x_BTD, self.initial_state(x_BTD, key), new
+
+  def cached_step(self, h_BTD, x_BTD, kv_per_layer, offset, start_B=None):
+    """One iteration over its own caches: (the state it hands on, the caches)."""
+    h_BTD = self.inject(h_BTD, x_BTD)
+    out = []
+    for block, kv in zip(self.core, kv_per_layer, strict=True):
+      h_BTD, kv = block.cached(h_BTD, kv, offset, start_B)
+      out.append(kv)
+    return self.end_iteration(h_BTD), out
+
+  def decode_out(self, h_BTD, cache, offset, start_B=None, new=None):
+    """`decode`'s coda and readout from the last state: (logits (B, T, V),
+    `new` with the coda's caches; None: only the logits, the caches as read)."""
     h_BTD = self.coda_in(h_BTD)
+    coda = []
     for block, kv in zip(self.coda, cache["coda"], strict=True):
-      h_BTD, kv = block.cached(h_BTD, kv, offset)
-      new["coda"].append(kv)
-    return self.logits(h_BTD, self.readout_norm), new
+      h_BTD, kv = block.cached(h_BTD, kv, offset, start_B)
+      coda.append(kv)
+    logits_BTV = self.logits(h_BTD, self.readout_norm)
+    if new is None:
+      return logits_BTV
+    return logits_BTV, {**new, "coda": coda}
 
   def trace(self, tokens_BT, num_loops: int, key=None, segments_BT=None) -> dict:
     """Every layer's output and attention weights, for the analyses.

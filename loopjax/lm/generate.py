@@ -1,0 +1,255 @@
+"""Batched generation with a key/value cache per recurrence: prompts of
+different lengths in one batch, stop conditions, per-token exits.
+
+Prompts are padded on the left, so every row's next token goes to the same
+cache slot; each row's positions count from its first real slot and its
+padding is never attended to (`LoopedTransformer.decode`'s `start_B`). The
+prompts are one prefill call at the full R; each new token is one call of the
+same compiled step at the next slot (the slot is an argument), so the cost
+per token is one iteration stack over one position.
+
+Every recurrence keeps its own keys and values (Huginn's "full" cache). With
+an exit rule (`Exit`) a new token iterates until the rule holds on its
+next-token distribution (`halting.CRITERIA`, as `halting.adaptive` decides
+per token), then its state is frozen: the recurrences it skipped get the keys
+and values of its last one (Huginn's "latest" lookup), which is what later
+tokens attending at those recurrences see. The prompt is always run at R.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopjax import halting
+from loopjax.errors import ConfigError
+from loopjax.state import Model
+
+
+class Exit(NamedTuple):
+  """An exit rule for new tokens: `criterion` one of `halting.CRITERIA`, with
+  the limits it reads (see `halting`); `start` what iteration 1 compares
+  with ("uniform": Huginn's, "readout": the first state's readout)."""
+
+  criterion: str
+  eps: float = 1e-3
+  tau: float = 3.0
+  patience: int = 2
+  threshold: float = 0.5
+  r_min: int = 1
+  start: str = "uniform"
+
+  @classmethod
+  def of(cls, criterion: str, threshold: float | None = None, **kw) -> "Exit":
+    """The rule with its one threshold put where its criterion reads it
+    (eps, tau, patience or the gate's threshold; None: the default)."""
+    if criterion not in halting.CRITERIA:
+      raise ConfigError(
+        f"exit: {criterion!r} is not a halting criterion (one of "
+        f"{', '.join(halting.CRITERIA)})"
+      )
+    if threshold is not None:
+      field = {"entropy": "tau", "argmax": "patience", "gate": "threshold"}
+      name = field.get(criterion, "eps")
+      kw[name] = int(threshold) if name == "patience" else float(threshold)
+    return cls(criterion, **kw)
+
+
+@dataclasses.dataclass
+class Generation:
+  """`tokens`: each row's new tokens, up to and including its eos or the
+  token that met its stop condition; `iterations` (B, n): the recurrences
+  each new token used (the last row entries past a row's end: padding);
+  `logits` (B, n, V): the logits each token was chosen from, where kept."""
+
+  tokens: list[list[int]]
+  iterations: np.ndarray
+  logits: np.ndarray | None = None
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
+  """(tokens (B, T), start_B): prompts right-aligned in T = the longest,
+  each row's first real slot."""
+  T = max(len(p) for p in prompts)
+  if min(len(p) for p in prompts) == 0:
+    raise ValueError("generate: an empty prompt has no position to continue from")
+  tokens_BT = np.full((len(prompts), T), pad_id, np.int32)
+  for b, p in enumerate(prompts):
+    tokens_BT[b, T - len(p) :] = p
+  return tokens_BT, np.asarray([T - len(p) for p in prompts], np.int32)
+
+
+@jax.jit
+def prefill(model: Model, tokens_BT, cache, key, start_B):
+  """The prompts in one call: the last slot's logits (B, V), the cache
+  filled. `key`: a random initial state's (Huginn's)."""
+  logits_BTV, cache = model.module().decode(tokens_BT, cache, 0, key, start_B)
+  return logits_BTV[:, -1], cache
+
+
+@jax.jit
+def decode_step(model: Model, token_B, cache, offset, key, start_B):
+  """One new token per row in slot `offset` (traced: one program for all),
+  at every recurrence the cache has."""
+  m = model.module()
+  logits_BTV, cache = m.decode(token_B[:, None], cache, offset, key, start_B)
+  return logits_BTV[:, 0], cache
+
+
+class _Carry(NamedTuple):
+  t: jax.Array  # iterations run
+  h: jax.Array  # (B, 1, D), frozen once a row exits
+  logits: jax.Array  # (B, 1, V) the readout at each row's exit so far
+  logp_prev: jax.Array  # (B, 1, V) the last iteration's
+  entropy: jax.Array  # (B, 1) its entropy
+  argmax: jax.Array  # (B, 1)
+  streak: jax.Array  # (B, 1)
+  exit_cdf: jax.Array  # (B, 1)
+  done: jax.Array  # (B,)
+  iters: jax.Array  # (B,)
+  kv: list  # per core layer, the token's keys and values at its last iteration
+
+
+@functools.partial(jax.jit, static_argnames=("rule",))
+def exit_step(model: Model, token_B, cache, offset, key, start_B, rule: Exit):
+  """`decode_step` with each row's new token exiting by `rule`: (logits at
+  its exit (B, V), the cache, the iterations it used (B,))."""
+  m = model.module()
+  x_BTD, h_BTD, new = m.decode_in(token_B[:, None], cache, offset, key, start_B)
+  limits = halting.Limits(rule.eps, rule.tau, rule.patience, rule.tau, rule.threshold)
+  settled_fn = halting.CRITERIA[rule.criterion]
+
+  def read(h_BTD):  # the next-token logits from a state (B, 1, V)
+    return m.decode_out(h_BTD, cache, offset, start_B)
+
+  B = token_B.shape[0]
+  logits = read(m.end_iteration(h_BTD))
+  logp = jax.nn.log_softmax(logits)
+  if rule.start == "uniform":
+    logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
+    entropy, argmax = jnp.full((B, 1), jnp.inf), jnp.full((B, 1), -1)
+  else:
+    entropy, argmax = halting.entropy_of(logp), logp.argmax(-1)
+  slot = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, 1, 1)  # noqa: E731
+  init = _Carry(
+    t=jnp.zeros((), jnp.int32),
+    h=h_BTD,
+    logits=logits,
+    logp_prev=logp,
+    entropy=entropy,
+    argmax=argmax,
+    streak=jnp.zeros((B, 1), jnp.int32),
+    exit_cdf=jnp.zeros((B, 1)),
+    done=jnp.zeros((B,), bool),
+    iters=jnp.zeros((B,), jnp.int32),
+    kv=[tuple(slot(a[0]) for a in kv) for kv in cache["core"]],
+  )
+
+  def iteration(c: _Carry, kv_per_layer):
+    t = c.t + 1
+    h_new, kvs = m.cached_step(c.h, x_BTD, kv_per_layer, offset, start_B)
+    done_B1 = c.done[:, None]
+    # A row that has exited writes the keys and values of its last iteration.
+    kv = jax.tree.map(
+      lambda last, a: jnp.where(done_B1[..., None, None], last, slot(a)), c.kv, kvs
+    )
+    kvs = jax.tree.map(
+      lambda a, n: jax.lax.dynamic_update_slice_in_dim(a, n, offset, 1), kvs, kv
+    )
+    logits = read(h_new)
+    logp = jax.nn.log_softmax(logits)
+    argmax = logp.argmax(-1)
+    streak = jnp.where(argmax == c.argmax, c.streak + 1, 0)
+    cdf = c.exit_cdf
+    if rule.criterion == "gate":
+      lam = jax.nn.sigmoid(m.exit_logit(h_new))
+      cdf = cdf + lam * (1 - cdf)
+    step = halting.Step(logp, c.logp_prev, c.entropy, h_new, c.h, streak, cdf, True)
+    settled_B = settled_fn(step, limits)[:, 0] & (t >= rule.r_min)
+    carry = _Carry(
+      t=t,
+      h=jnp.where(done_B1[..., None], c.h, h_new),
+      logits=jnp.where(done_B1[..., None], c.logits, logits),
+      logp_prev=logp,
+      entropy=halting.entropy_of(logp),
+      argmax=argmax,
+      streak=streak,
+      exit_cdf=cdf,
+      done=c.done | settled_B,
+      iters=jnp.where(c.done, c.iters, t),
+      kv=kv,
+    )
+    return carry, kvs
+
+  out, new["core"] = jax.lax.scan(iteration, init, cache["core"])
+  _, cache = m.decode_out(out.h, cache, offset, start_B, new)
+  return out.logits[:, 0], cache, out.iters
+
+
+def generate(
+  model: Model,
+  prompts,
+  max_new_tokens: int,
+  *,
+  num_loops: int,
+  temperature: float = 0.0,
+  top_k: int = 0,
+  seed: int = 0,
+  eos_id: int | None = None,
+  stop: Callable[[list[int]], bool] | None = None,
+  exit: Exit | None = None,
+  keep_logits: bool = False,
+) -> Generation:
+  """Continue each prompt (token ids; lengths may differ) by up to
+  `max_new_tokens` tokens at `num_loops` recurrences (the most, with `exit`).
+  temperature 0: greedy; top_k > 0: sample among the k likeliest. A row ends
+  at `eos_id` or once `stop(its new tokens)` holds; the batch ends when every
+  row has."""
+  tokens_BT, start_B = left_pad(prompts)
+  B, T = tokens_BT.shape
+  cache = model.module().init_cache(B, T + max_new_tokens, num_loops, model.dtype)
+
+  def choose(logits_BV, key):
+    if temperature <= 0:
+      return logits_BV.argmax(-1)
+    logits_BV = logits_BV / temperature
+    if top_k:
+      kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+      logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    return jax.random.categorical(key, logits_BV)
+
+  prefill_key, key = jax.random.split(jax.random.key(seed))
+  start_B = jnp.asarray(start_B)
+  logits_BV, cache = prefill(model, jnp.asarray(tokens_BT), cache, prefill_key, start_B)
+  iters_B = np.full(B, num_loops)
+  keys = jax.random.split(key, 2 * max_new_tokens).reshape(max_new_tokens, 2)
+  new, ended = [[] for _ in range(B)], np.zeros(B, bool)
+  seen, used = [], []
+  for i in range(max_new_tokens):
+    token_B = choose(logits_BV, keys[i, 0]).astype(jnp.int32)
+    if keep_logits:
+      seen.append(np.asarray(logits_BV))
+    used.append(iters_B)
+    for b, t in enumerate(np.asarray(token_B).tolist()):
+      if not ended[b]:
+        new[b].append(t)
+        ended[b] = t == eos_id or (stop is not None and stop(new[b]))
+    if ended.all() or i + 1 == max_new_tokens:
+      break
+    offset = jnp.int32(T + i)
+    if exit is None:
+      logits_BV, cache = decode_step(model, token_B, cache, offset, keys[i, 1], start_B)
+    else:
+      logits_BV, cache, iters_B = exit_step(
+        model, token_B, cache, offset, keys[i, 1], start_B, exit
+      )
+      iters_B = np.asarray(iters_B)
+  return Generation(
+    tokens=new,
+    iterations=np.stack(used, 1),
+    logits=np.stack(seen, 1) if keep_logits else None,
+  )

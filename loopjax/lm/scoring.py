@@ -1,0 +1,247 @@
+"""A language model scored as an evaluation harness asks: the log-likelihood
+of continuations, greedy or sampled text until stop strings, and the
+recurrences each request used.
+
+Requests are token ids. Log-likelihoods run in batches of similar length
+(sorted, right-padded to a multiple of `BUCKET` so few programs compile;
+causal attention keeps the padding out of every real position), at a fixed R
+or with a per-token exit rule (`halting.adaptive` over the whole text).
+Generation is `lm.generate`'s batched decoding.
+"""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loopjax import config as config_lib
+from loopjax import halting, restore
+from loopjax.data import lm
+from loopjax.errors import ConfigError
+from loopjax.lm import prompts
+from loopjax.lm.generate import Exit, generate
+from loopjax.pretrained import load as hf_load
+from loopjax.state import Model
+from loopjax.workdir import Workdir
+
+BUCKET = 32  # padded lengths are multiples of this: one program per bucket
+
+
+@dataclasses.dataclass
+class Score:
+  """A continuation's log-likelihood, whether greedy decoding would produce
+  it, and the mean recurrences its tokens used."""
+
+  logprob: float
+  greedy: bool
+  iterations: float
+
+
+@functools.partial(jax.jit, static_argnames=("num_loops",))
+def _fixed(model: Model, tokens_BT, key, *, num_loops: int):
+  logits_BTV = model.module()(tokens_BT, None, num_loops=num_loops, key=key)
+  logp_BTV = jax.nn.log_softmax(logits_BTV)
+  return logp_BTV, jnp.full(tokens_BT.shape, num_loops, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
+def _exiting(model: Model, tokens_BT, key, *, rule: Exit, num_loops: int):
+  return halting.adaptive(
+    model.module(), tokens_BT, None, criterion=rule.criterion, r_min=rule.r_min,
+    r_max=num_loops, eps=rule.eps, tau=rule.tau, patience=rule.patience,
+    threshold=rule.threshold, start=rule.start, key=key,
+  )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
+def _token_scores(model, tokens_BT, targets_BT, key, *, rule, num_loops):
+  """Per position: the target's log-probability, whether it is the argmax,
+  the recurrences used; (B, T) each."""
+  if rule is None:
+    logp_BTV, iters_BT = _fixed(model, tokens_BT, key, num_loops=num_loops)
+  else:
+    logp_BTV, iters_BT = _exiting(model, tokens_BT, key, rule=rule, num_loops=num_loops)
+  target_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
+  return target_BT, logp_BTV.argmax(-1) == targets_BT, iters_BT
+
+
+class Scorer:
+  """`model` read through `tokenizer_json`, at `num_loops` recurrences (the
+  most, with an `exit` rule). `prefix_ids`: what an empty context starts
+  from (the model's <bos>); `max_length`: the positions it has."""
+
+  def __init__(
+    self,
+    model: Model,
+    tokenizer_json: str,
+    *,
+    num_loops: int,
+    max_length: int,
+    prefix_ids: list[int],
+    eos_id: int | None,
+    batch_size: int = 8,
+    exit: Exit | None = None,
+    seed: int = 0,
+  ):
+    self.model, self.num_loops, self.exit = model, num_loops, exit
+    self.tok = lm.tokenizer_from_json(tokenizer_json)
+    self.max_length, self.batch_size = max_length, batch_size
+    self.prefix_ids, self.eos_id, self.seed = prefix_ids, eos_id, seed
+
+  def encode(self, text: str) -> list[int]:
+    return self.tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids) -> str:
+    return self.tok.decode(list(map(int, ids)))
+
+  def loglikelihood(self, requests: list[tuple[list[int], list[int]]]) -> list[Score]:
+    """Each (context ids, continuation ids): the continuation's score. The
+    text is cut on the left to `max_length` + 1 tokens."""
+    rows = []
+    for context, continuation in requests:
+      if not continuation:
+        raise ValueError("loglikelihood: an empty continuation has nothing to score")
+      ids = ((context or self.prefix_ids) + continuation)[-(self.max_length + 1) :]
+      rows.append((ids[:-1], ids[1:], len(continuation)))
+    out: list[Score | None] = [None] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
+    key = jax.random.key(self.seed)
+    for at in range(0, len(order), self.batch_size):
+      chunk = order[at : at + self.batch_size]
+      T = -(-len(rows[chunk[0]][0]) // BUCKET) * BUCKET
+      inputs_BT = np.zeros((self.batch_size, T), np.int32)
+      targets_BT = np.zeros((self.batch_size, T), np.int32)
+      for b, i in enumerate(chunk):
+        inputs, targets, _ = rows[i]
+        inputs_BT[b, : len(inputs)], targets_BT[b, : len(targets)] = inputs, targets
+      scores = _token_scores(
+        self.model, jnp.asarray(inputs_BT), jnp.asarray(targets_BT), key,
+        rule=self.exit, num_loops=self.num_loops,
+      )  # fmt: skip
+      logp_BT, greedy_BT, iters_BT = map(np.asarray, scores)
+      for b, i in enumerate(chunk):
+        n, end = rows[i][2], len(rows[i][0])
+        at_cont = slice(end - n, end)
+        out[i] = Score(
+          float(logp_BT[b, at_cont].sum()),
+          bool(greedy_BT[b, at_cont].all()),
+          float(iters_BT[b, at_cont].mean()),
+        )
+    return out
+
+  def generate(
+    self,
+    contexts: list[list[int]],
+    until: list[str],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+  ) -> list[tuple[str, list[int]]]:
+    """Each context continued until one of the `until` strings (cut before
+    it), eos or `max_new_tokens`: (text, the recurrences of each new token)."""
+
+    def stop(new: list[int]) -> bool:
+      return bool(until) and any(s in self.decode(new) for s in until)
+
+    out = [None] * len(contexts)
+    order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
+    room = max(1, self.max_length - max_new_tokens)
+    for at in range(0, len(order), self.batch_size):
+      chunk = order[at : at + self.batch_size]
+      prompts = [(contexts[i] or self.prefix_ids)[-room:] for i in chunk]
+      g = generate(
+        self.model, prompts, max_new_tokens, num_loops=self.num_loops,
+        temperature=temperature, seed=self.seed, eos_id=self.eos_id, stop=stop,
+        exit=self.exit,
+      )  # fmt: skip
+      for b, i in enumerate(chunk):
+        new = g.tokens[b]
+        if new and new[-1] == self.eos_id:
+          new = new[:-1]
+        text = self.decode(new)
+        for s in until:
+          text = text.split(s)[0]
+        out[i] = (text, g.iterations[b, : len(g.tokens[b])].tolist())
+    return out
+
+
+@dataclasses.dataclass
+class Loaded:
+  """A model ready to score: the `Scorer`, the chat template
+  (tokenizer_config.json's, or None) with its special tokens, and a name."""
+
+  scorer: Scorer
+  name: str
+  chat_template: str | None = None
+  specials: dict = dataclasses.field(default_factory=dict)
+
+
+def load(
+  *,
+  hf_dir: str | None = None,
+  workdir: str | None = None,
+  step: int | None = None,
+  num_loops: int | None = None,
+  dtype: str = "float32",
+  max_length: int | None = None,
+  **scorer_kw,
+) -> Loaded:
+  """A pretrained directory (`hf_dir`) or a loopjax run's checkpoint
+  (`workdir`, at `step`; default the newest) as a `Scorer`, every input
+  checked (ConfigError) before a weight is read."""
+
+  if (hf_dir is None) == (workdir is None):
+    raise ConfigError("model_args: give one of hf_dir=DIR or workdir=DIR")
+  if hf_dir is not None:
+    base = config_lib.base().model
+    _, _, cfg, vocab, max_len = hf_load.resolve(
+      hf_dir, base, None, num_loops, dtype, weights=False
+    )
+    tok = prompts.tokenizer_json(hf_dir, vocab)
+    _, bos, eos = lm.special_ids(tok, f"{hf_dir}/tokenizer.json")
+    template, specials = chat_template(hf_dir)
+    _, model = hf_load.load(hf_dir, base, None, num_loops, dtype)
+    scorer = Scorer(
+      model, tok, num_loops=cfg.num_loops, max_length=max_length or max_len,
+      prefix_ids=[bos], eos_id=eos, **scorer_kw,
+    )  # fmt: skip
+    return Loaded(scorer, str(hf_dir), template, specials)
+  path = Path(workdir).expanduser() / "tokenizer.json"
+  config = Workdir(Path(workdir).expanduser()).saved_config()
+  if config is None or not path.is_file():
+    raise ConfigError(
+      f"model_args: workdir={workdir} is not a language-model run "
+      "(it needs config.json and tokenizer.json)"
+    )
+  task = lm.without_streams(config.data, path.read_text())
+  _, model, _ = restore.from_checkpoint(config, workdir, step, task=task)
+  scorer = Scorer(
+    model, task.tokenizer_json, num_loops=num_loops or config.model.num_loops,
+    max_length=max_length or task.seq_len,
+    prefix_ids=[task.bos_id if config.data.bos else task.eos_id],
+    eos_id=task.eos_id, **scorer_kw,
+  )  # fmt: skip
+  return Loaded(scorer, str(workdir))
+
+
+def chat_template(hf_dir) -> tuple[str | None, dict]:
+  """tokenizer_config.json's chat template (the default one of several) and
+  the special tokens it may name; (None, {}) where the model has none."""
+
+  path = Path(hf_dir).expanduser() / "tokenizer_config.json"
+  if not path.is_file():
+    return None, {}
+  try:
+    cfg = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path}: not JSON ({e.msg}, line {e.lineno})") from None
+  template = cfg.get("chat_template")
+  if isinstance(template, list):  # [{"name", "template"}, ...]
+    named = {t.get("name"): t.get("template") for t in template}
+    template = named.get("default")
+  content = lambda t: t.get("content") if isinstance(t, dict) else t  # noqa: E731
+  specials = {k: content(cfg.get(k)) for k in ("bos_token", "eos_token")}
+  return template, {k: v for k, v in specials.items() if v is not None}
