@@ -4,6 +4,8 @@
       [--config.model.num_loops=8 ...] [--mode=train|eval|analyze|report] [--step=N]
   python -m loopjax.main --mode=eval --follow --workdir=DIR   # beside a trainer
   python -m loopjax.main --mode=sample --workdir=DIR --prompt="def "  # LM runs
+  python -m loopjax.main --mode=lm_eval --workdir=DIR --tasks=arc_easy \
+      [--recurrences=4,8,16,32]  # an LM run or model.hf_dir, lm-evaluation-harness
 """
 
 import os
@@ -28,7 +30,7 @@ flags.DEFINE_string(
 flags.DEFINE_enum(
   "mode",
   "train",
-  ["train", "eval", "analyze", "report", "sample"],
+  ["train", "eval", "analyze", "report", "sample", "lm_eval"],
   "What to do with the workdir.",
 )
 flags.DEFINE_integer(
@@ -54,6 +56,21 @@ flags.DEFINE_integer(
   "num_loops", None, "--mode=sample: recurrences (default: the trained R)."
 )
 flags.DEFINE_integer("sample_seed", 0, "--mode=sample: the sampling key's seed.")
+flags.DEFINE_list("tasks", [], "--mode=lm_eval: lm-evaluation-harness task names.")
+flags.DEFINE_string("include_path", None, "--mode=lm_eval: a folder of YAML tasks.")
+flags.DEFINE_integer("num_fewshot", None, "--mode=lm_eval: few-shot examples.")
+flags.DEFINE_float("limit", None, "--mode=lm_eval: examples per task (or a share).")
+flags.DEFINE_bool(
+  "apply_chat_template", False, "--mode=lm_eval: the model's chat template."
+)
+flags.DEFINE_list(
+  "recurrences", [], "--mode=lm_eval: R values, one harness run each (default: R)."
+)
+flags.DEFINE_string(
+  "exit", None, "--mode=lm_eval: a per-token exit rule (a halting criterion)."
+)
+flags.DEFINE_float("exit_threshold", None, "--mode=lm_eval: the exit rule's limit.")
+flags.DEFINE_integer("batch_size", 8, "--mode=lm_eval: requests per batch.")
 flags.DEFINE_bool(
   "distributed",
   False,
@@ -109,6 +126,27 @@ def _sampling() -> dict:
     top_k=FLAGS.top_k,
     seed=FLAGS.sample_seed,
   )
+
+
+def _lm_eval(config, workdir):
+  """--mode=lm_eval: the `loopjax[lm_eval]` extra's harness on the model."""
+  try:
+    from loopjax.lm import harness
+  except ImportError as e:
+    raise ConfigError(
+      f"--mode=lm_eval: needs lm-evaluation-harness ({first_line(e)}); "
+      "pip install -e '.[lm_eval]'"
+    ) from None
+  try:
+    recurrences = tuple(int(r) for r in FLAGS.recurrences)
+  except ValueError:
+    raise ConfigError("--recurrences: a comma-separated list of integers") from None
+  harness.run(
+    config, workdir, tasks=FLAGS.tasks, recurrences=recurrences, exit=FLAGS.exit,
+    threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,
+    num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, step=FLAGS.step,
+    apply_chat_template=FLAGS.apply_chat_template, batch_size=FLAGS.batch_size,
+  )  # fmt: skip
 
 
 def main(argv):
@@ -167,7 +205,7 @@ def main(argv):
     if config is not None and config.model.hf_dir and FLAGS.mode in ("train", "eval"):
       raise ConfigError(
         f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
-        "--mode=analyze or --mode=sample"
+        "--mode=analyze, --mode=sample or --mode=lm_eval"
       )
     if FLAGS.mode == "train":
       train.train_and_evaluate(config, workdir)
@@ -187,6 +225,8 @@ def main(argv):
       print(
         family.sample(config, workdir, FLAGS.prompt, step=FLAGS.step, **_sampling())
       )
+    elif FLAGS.mode == "lm_eval":
+      _lm_eval(config, workdir)
     elif config.model.hf_dir:
       from loopjax.lm import pretrained  # its analyses: matplotlib
 

@@ -100,8 +100,9 @@ def test_more_recurrences_at_sampling_are_more_iterations():
   params = nnx.to_pure_dict(nnx.state(m, nnx.Param))
   prompt = np.asarray(tokens(4, (1, 5)))
   at3, at6 = (
-    generate(Model(nnx.graphdef(m), params), prompt, 2, num_loops=r, keep_logits=True)
-    .logits
+    generate(
+      Model(nnx.graphdef(m), params), prompt, 2, num_loops=r, keep_logits=True
+    ).logits
     for r in (3, 6)
   )
   np.testing.assert_allclose(

@@ -3,6 +3,7 @@
   python -m loopjax.bench step --config=experiments/bench.py[:size] --torch
   python -m loopjax.bench scaling --config=experiments/bench.py --depths=4,16,64
   taskset -c 0 python -m loopjax.bench data --config=experiments/sysgen.py:paper
+  python -m loopjax.bench generation --config=experiments/lm.py:cpu
   python -m loopjax.bench accelerator --out=DIR [--smoke]
 
 `step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
@@ -18,7 +19,9 @@ with adaptive halting's `while_loop` against the fixed scan at equal iterations.
 family at full size with random weights, its forward and analysis pass
 (loopjax/bench/pretrained.py). `attention`: one attention layer's forward
 and backward by each kernel the backend runs, against XLA's
-(loopjax/bench/attention.py). `accelerator`: the parts of
+(loopjax/bench/attention.py). `generation`: batched decoding of prompts of
+different lengths against one at a time (loopjax/bench/generation.py).
+`accelerator`: the parts of
 the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 --out a directory.
 """
@@ -33,7 +36,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from loopjax import recurrence
-from loopjax.bench import accelerator, attention, measure, pretrained, steps
+from loopjax.bench import accelerator, attention, generation, measure, pretrained, steps
 from loopjax.data import kg, tfds_kg
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
@@ -41,6 +44,8 @@ _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference.")
 _DEPTHS = flags.DEFINE_list("depths", ["4", "16", "64"], "`scaling`: depths R.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "`accelerator`: tiny shapes, any machine.")
+_PROMPTS = flags.DEFINE_integer("prompts", 8, "`generation`: prompts in the batch.")
+_NEW = flags.DEFINE_integer("new_tokens", 32, "`generation`: tokens per prompt.")
 
 
 def bench_step(config) -> dict:
@@ -195,6 +200,7 @@ BENCHMARKS = {
   "devices": bench_devices,
   "pretrained": pretrained.bench,
   "attention": attention.bench,
+  "generation": lambda c: generation.bench(c, _PROMPTS.value, _NEW.value),
 }
 
 

@@ -1,0 +1,275 @@
+"""lm-evaluation-harness's model `loopjax`: a pretrained looped model
+(`hf_dir=DIR`) or a loopjax run's checkpoint (`workdir=DIR`) scored at a
+chosen number of recurrences and exit rule (the `loopjax[lm_eval]` extra).
+
+  python -m loopjax.lm.harness --model loopjax \
+      --model_args hf_dir=~/models/huginn-0125,num_loops=32,dtype=bfloat16 \
+      --tasks arc_easy,hellaswag --batch_size 16
+
+is the harness's own command line (any of its flags) with the model
+registered: the harness finds third-party models only when their module is
+imported. Model arguments: hf_dir or workdir (with step), num_loops,
+exit (a halting criterion) and threshold, r_min, start, dtype, max_length,
+max_gen_toks, add_bos_token, seed, record (a JSONL file that gets each
+request's recurrences). `--mode=lm_eval` of `loopjax.main` runs it for a list
+of recurrences into a workdir.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from lm_eval import utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from loopjax.errors import ConfigError, exit_with
+from loopjax.lm import scoring
+from loopjax.lm.generate import Exit
+
+
+@register_model("loopjax")
+class LoopjaxLM(TemplateLM):
+  """The harness's view of a `scoring.Scorer`."""
+
+  def __init__(
+    self,
+    hf_dir: str | None = None,
+    workdir: str | None = None,
+    step: int | None = None,
+    num_loops: int | None = None,
+    exit: str | None = None,
+    threshold: float | None = None,
+    r_min: int = 1,
+    start: str = "uniform",
+    batch_size: int | str = 8,
+    dtype: str = "float32",
+    max_length: int | None = None,
+    max_gen_toks: int = 256,
+    add_bos_token: bool = False,
+    seed: int = 0,
+    record: str | None = None,
+    **unused,
+  ):
+    super().__init__()
+    rule = exit and Exit.of(exit, threshold, r_min=r_min, start=start)
+    if str(batch_size).startswith("auto"):
+      batch_size = 8  # no memory probe: the harness's "auto" gets the default
+    loaded = scoring.load(
+      hf_dir=hf_dir, workdir=workdir, step=step, num_loops=num_loops,
+      dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
+      seed=seed,
+    )  # fmt: skip
+    self.scorer, self.name = loaded.scorer, loaded.name
+    self.max_gen_toks, self.add_bos_token = max_gen_toks, add_bos_token
+    self.template, self.specials = loaded.chat_template, loaded.specials
+    if self.template is not None:
+      self.apply_chat_template([{"role": "user", "content": "2 + 2?"}])  # renders?
+    self.record = record and Path(record).expanduser()
+    self._rank, self._world_size = 0, 1
+
+  # --- what TemplateLM asks of a model ----------------------------------------
+
+  @property
+  def eot_token_id(self) -> int:
+    return self.scorer.eos_id
+
+  @property
+  def prefix_token_id(self) -> int:
+    return self.scorer.prefix_ids[0]
+
+  @property
+  def tokenizer_name(self) -> str:
+    return self.name.rstrip("/").replace("/", "__")
+
+  def tok_encode(self, string: str, add_special_tokens=None, **kw) -> list[int]:
+    """`string`'s ids, after <bos> where asked (None: `add_bos_token`)."""
+    ids = self.scorer.encode(string)
+    bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
+    return self.scorer.prefix_ids + ids if bos else ids
+
+  def tok_decode(self, ids, **kw) -> str:
+    return self.scorer.decode(ids)
+
+  def chat_template(self, chat_template: bool | str = False) -> str | None:
+    return self.template if chat_template is not False else None
+
+  def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
+    """tokenizer_config.json's template, rendered as transformers renders it."""
+    if self.template is None:
+      raise ConfigError(
+        f"--apply_chat_template: {self.name} has no chat_template in "
+        "tokenizer_config.json"
+      )
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+      trim_blocks=True, lstrip_blocks=True
+    )
+
+    def raise_exception(message):
+      raise jinja2.TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    try:
+      return env.from_string(self.template).render(
+        messages=chat_history,
+        add_generation_prompt=add_generation_prompt,
+        **self.specials,
+      )
+    except jinja2.TemplateError as e:
+      raise ConfigError(
+        f"{self.name}/tokenizer_config.json: its chat_template does not render "
+        f"({type(e).__name__}: {e})"
+      ) from None
+
+  def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
+    pairs = [(ctx, cont) for _, ctx, cont in requests]
+    scores = self.scorer.loglikelihood(pairs)
+    for (key, *_), s in zip(requests, scores, strict=True):
+      if getattr(self, "cache_hook", None) is not None:
+        self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
+    return [(s.logprob, s.greedy) for s in scores], scores
+
+  def loglikelihood(self, requests, disable_tqdm: bool = False):
+    out, scores = super().loglikelihood(requests, disable_tqdm)
+    self._write(requests, "loglikelihood", [s.iterations for s in scores])
+    return out
+
+  def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+    """A whole text's log-likelihood, in windows of `max_length` tokens
+    (the harness's own windowing)."""
+    out, used = [], []
+    for (text,) in (r.args for r in requests):
+      windows = [
+        utils.make_disjoint_window(w)
+        for w in utils.get_rolling_token_windows(
+          self.tok_encode(text),
+          self.prefix_token_id,
+          self.scorer.max_length,
+          1,
+        )
+      ]
+      scores = self.scorer.loglikelihood(windows)
+      out.append(sum(s.logprob for s in scores))
+      used.append(sum(s.iterations for s in scores) / max(len(scores), 1))
+    self._write(requests, "loglikelihood_rolling", used)
+    return out
+
+  def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    """Requests grouped by their generation arguments, each group batched."""
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(requests):
+      kw = json.dumps(r.args[1], sort_keys=True, default=str)
+      groups.setdefault(kw, []).append(i)
+    texts, used = [None] * len(requests), [None] * len(requests)
+    for key, idx in groups.items():
+      kw = json.loads(key)
+      until = kw.get("until") or []
+      until = [until] if isinstance(until, str) else list(until)
+      contexts = [self.tok_encode(requests[i].args[0]) for i in idx]
+      done = self.scorer.generate(
+        contexts,
+        until,
+        int(kw.get("max_gen_toks", self.max_gen_toks)),
+        float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0,
+      )
+      for i, (text, iters) in zip(idx, done, strict=True):
+        texts[i], used[i] = text, iters
+    self._write(requests, "generate_until", used)
+    return texts
+
+  # ---------------------------------------------------------------------------
+
+  def _write(self, requests, kind: str, iterations: list) -> None:
+    """Each request's recurrences (a mean over scored tokens, or one per new
+    token), appended to `record`."""
+    if self.record is None:
+      return
+    self.record.parent.mkdir(parents=True, exist_ok=True)
+    with self.record.open("a") as f:
+      for r, iters in zip(requests, iterations, strict=True):
+        line = {"task": r.task_name, "doc_id": r.doc_id, "idx": r.idx}
+        f.write(json.dumps(line | {"request": kind, "iterations": iters}) + "\n")
+
+
+def main(argv=None):
+  """The harness's command line with `loopjax` registered; bad model
+  arguments exit 2 with one line."""
+  from lm_eval.__main__ import cli_evaluate
+
+  sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+  try:
+    cli_evaluate()
+  except ConfigError as e:
+    exit_with(str(e))
+
+
+if __name__ == "__main__":
+  main()
+
+
+def run(
+  config,
+  workdir,
+  *,
+  tasks,
+  recurrences=(),
+  exit=None,
+  threshold=None,
+  step=None,
+  batch_size=8,
+  include_path=None,
+  **harness_kw,
+):
+  """`--mode=lm_eval`: the harness's `tasks` at each of `recurrences`
+  (default: the config's R) on `model.hf_dir` or the run in `workdir` (its
+  checkpoint at `step`); results under workdir/lm_eval (r{R}.json, each
+  request's recurrences in requests_r{R}.jsonl, table.md). `harness_kw`:
+  num_fewshot, limit, apply_chat_template (`simple_evaluate`'s)."""
+  from lm_eval import simple_evaluate
+  from lm_eval.tasks import TaskManager
+
+  manager = TaskManager(include_path=include_path or None)
+  unknown = [t for t in tasks if t not in manager.all_tasks]
+  if not tasks or unknown:
+    raise ConfigError(
+      f"--tasks: {'unknown task ' + repr(unknown[0]) if unknown else 'none given'} "
+      "(`lm_eval ls tasks` lists the harness's; local YAML tasks: --include_path)"
+    )
+  out = Path(workdir).expanduser() / "lm_eval"
+  source = (
+    {"hf_dir": config.model.hf_dir}
+    if config.model.hf_dir
+    else {"workdir": str(workdir), "step": step}
+  )
+  model = LoopjaxLM(
+    **source, num_loops=config.model.num_loops, exit=exit, threshold=threshold,
+    dtype=config.model.dtype, batch_size=batch_size,
+  )  # fmt: skip
+  Rs = list(recurrences or (model.scorer.num_loops,))
+  table = {}
+  for R in Rs:
+    model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"
+    model.record.unlink(missing_ok=True)
+    results = simple_evaluate(
+      model=model, tasks=list(tasks), task_manager=manager, **harness_kw
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"r{R}.json").write_text(
+      json.dumps(results["results"], indent=1, default=str) + "\n"
+    )
+    for task, metrics in results["results"].items():
+      for name, value in metrics.items():
+        if isinstance(value, float) and "stderr" not in name:
+          table.setdefault((task, name), {})[R] = value
+  lines = [
+    "| task | metric | " + " | ".join(f"r = {R}" for R in Rs) + " |",
+    "|---|---|" + "---|" * len(Rs),
+  ] + [
+    f"| {t} | {m} | " + " | ".join(f"{v.get(R, float('nan')):.4f}" for R in Rs) + " |"
+    for (t, m), v in table.items()
+  ]
+  (out / "table.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+  return out

@@ -1,0 +1,199 @@
+"""lm-evaluation-harness's model `loopjax`, offline: the harness's local task
+format (YAML over a JSONL file written here), one multiple-choice and one
+generation task, on the tiny Ouro checkpoint of tests/fixtures/hf."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from loopjax import config as config_lib  # noqa: E402
+from loopjax.errors import ConfigError  # noqa: E402
+from loopjax.lm import harness, sample  # noqa: E402
+from loopjax.pretrained.load import load  # noqa: E402
+
+FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "ouro"
+QUESTIONS = [
+  {"question": "how many apples", "choices": [" one", " two", " many"], "answer": 1},
+  {"question": "the cat sat", "choices": [" on", " down"], "answer": 0},
+  {"question": "one two", "choices": [" three", " four", " five"], "answer": 0},
+]
+TEMPLATE = (
+  "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+  "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+  """The task directory: toy_mc (multiple choice) and toy_gen (greedy text
+  until a newline), both over questions.jsonl."""
+  root = tmp_path_factory.mktemp("tasks")
+  data = root / "questions.jsonl"
+  data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+  source = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+  (root / "toy_mc.yaml").write_text(
+    f"task: toy_mc\n{source}test_split: test\noutput_type: multiple_choice\n"
+    "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+    "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+  )
+  (root / "toy_gen.yaml").write_text(
+    f"task: toy_gen\n{source}test_split: test\noutput_type: generate_until\n"
+    "doc_to_text: '{{question}}'\ndoc_to_target: ' two'\n"
+    "generation_kwargs:\n  until: ['\\n', 'apples']\n  max_gen_toks: 6\n"
+    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+  )
+  return root
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+
+
+def evaluate(tasks, names, **model_args):
+  from lm_eval import simple_evaluate
+  from lm_eval.tasks import TaskManager
+
+  model = harness.LoopjaxLM(hf_dir=str(FIXTURE), batch_size=2, **model_args)
+  out = simple_evaluate(
+    model=model,
+    tasks=names,
+    task_manager=TaskManager(include_path=str(tasks)),
+    log_samples=True,
+  )
+  return model, out
+
+
+def test_multiple_choice_loglikelihoods_are_a_direct_forwards(tasks, tmp_path):
+  """Each choice's score is the sum of log-softmax of one forward at R over
+  question + choice (batched, padded, sorted by length in the harness); the
+  record has every request at R."""
+  record = tmp_path / "record.jsonl"
+  model, out = evaluate(tasks, ["toy_mc"], num_loops=3, record=str(record))
+  _, direct = load(FIXTURE, config_lib.base().model, None, 3)
+  for s in out["samples"]["toy_mc"]:
+    doc = s["doc"]
+    for choice, resp in zip(doc["choices"], s["resps"], strict=True):
+      got = resp[0][0]  # (log-likelihood, greedy) of the one request
+      ctx = model.tok_encode(doc["question"])
+      whole = model.tok_encode(doc["question"] + choice)
+      logits = direct.module()(np.asarray([whole[:-1]]), None, num_loops=3)[0]
+      logp = np.asarray(jax.nn.log_softmax(logits))
+      cont = range(len(ctx), len(whole))
+      want = sum(logp[t - 1, whole[t]] for t in cont)
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  lines = [json.loads(x) for x in record.read_text().splitlines()]
+  assert len(lines) == sum(len(q["choices"]) for q in QUESTIONS)
+  assert {x["iterations"] for x in lines} == {3.0}
+  assert 0.0 <= out["results"]["toy_mc"]["acc,none"] <= 1.0
+
+
+def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(tasks):
+  """With <bos> added as the model's tokenizer adds it (add_bos_token), the
+  harness's prompt ids are --mode=sample's."""
+  model, out = evaluate(tasks, ["toy_gen"], num_loops=4, add_bos_token=True)
+  c = config_lib.base()
+  c.model.update(hf_dir=str(FIXTURE), num_loops=4)
+  for s in out["samples"]["toy_gen"]:
+    q = s["doc"]["question"]
+    whole = sample.sample(c, None, q, max_new_tokens=6, temperature=0.0)
+    # --mode=sample's text starts with the prompt's and runs on to 6 tokens
+    prompt = model.scorer.decode(model.tok_encode(q))
+    continued = whole[len(prompt) :]
+    want = continued.split("\n")[0].split("apples")[0]
+    assert s["resps"][0][0] == want
+
+
+def test_an_exit_rule_records_each_new_tokens_recurrences(tasks, tmp_path):
+  """Ouro's gate at 0.5: the recurrences of every generated token are
+  recorded, each between 1 and R, and the scores' means likewise."""
+  record = tmp_path / "record.jsonl"
+  evaluate(
+    tasks, ["toy_gen", "toy_mc"], num_loops=4, exit="gate", threshold=0.5,
+    record=str(record),
+  )  # fmt: skip
+  lines = [json.loads(x) for x in record.read_text().splitlines()]
+  gen = [x for x in lines if x["request"] == "generate_until"]
+  assert len(gen) == len(QUESTIONS)
+  assert all(1 <= i <= 4 for x in gen for i in x["iterations"])
+  scored = [x["iterations"] for x in lines if x["request"] == "loglikelihood"]
+  assert scored and all(1.0 <= i <= 4.0 for i in scored)
+
+
+def test_the_chat_template_renders_from_tokenizer_config(tmp_path):
+  d = tmp_path / "ouro"
+  shutil.copytree(FIXTURE, d)
+  (d / "tokenizer_config.json").write_text(
+    json.dumps({"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}})
+  )
+  model = harness.LoopjaxLM(hf_dir=str(d))
+  text = model.apply_chat_template([{"role": "user", "content": "hi"}])
+  assert text == "<s><|user|>hi\n<|assistant|>"
+  (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{% if %}"}))
+  with pytest.raises(ConfigError, match="chat_template does not render"):
+    harness.LoopjaxLM(hf_dir=str(d))
+
+
+def run(*args):
+  return subprocess.run(
+    [sys.executable, "-m", *args], capture_output=True, text=True, timeout=300
+  )
+
+
+def test_bad_inputs_exit_2_in_one_line(tasks, tmp_path, capsys):
+  """Through the harness's command line (in this process): a directory with
+  no tokenizer, an unknown exit rule; through --mode=lm_eval: an unknown task."""
+  no_tok = tmp_path / "no_tok"
+  shutil.copytree(FIXTURE, no_tok)
+  (no_tok / "tokenizer.json").unlink()
+  for model_args, says in [
+    (f"hf_dir={no_tok}", "no tokenizer.json"),
+    (f"hf_dir={FIXTURE},exit=nope", "not a halting criterion"),
+  ]:
+    with pytest.raises(SystemExit) as e:
+      harness.main(
+        ["--model", "loopjax", "--model_args", model_args, "--tasks", "toy_mc",
+         "--include_path", str(tasks)]
+      )  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: ") and says in err[-1]
+  c = config_lib.base()
+  c.model.hf_dir = str(FIXTURE)
+  with pytest.raises(ConfigError, match="unknown task 'no_such_task'"):
+    harness.run(c, tmp_path / "w", tasks=["no_such_task"], include_path=str(tasks))
+
+
+@pytest.mark.slow
+def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_path):
+  """`--model loopjax` through the harness's own command line, and
+  `--mode=lm_eval` at two recurrences: results, per-R files and the table."""
+  r = run(
+    "loopjax.lm.harness", "--model", "loopjax", "--include_path", str(tasks),
+    "--model_args", f"hf_dir={FIXTURE},num_loops=2", "--tasks", "toy_mc",
+    "--output_path", str(tmp_path / "cli"),
+  )  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  (results,) = (tmp_path / "cli").rglob("results_*.json")
+  assert "acc,none" in json.loads(results.read_text())["results"]["toy_mc"]
+  w = tmp_path / "w"
+  r = run(
+    "loopjax.main", "--mode=lm_eval", f"--workdir={w}", "--recurrences=1,4",
+    "--config=experiments/pretrained.py:ouro", f"--config.model.hf_dir={FIXTURE}",
+    "--tasks=toy_mc", f"--include_path={tasks}",
+  )  # fmt: skip
+  assert r.returncode == 0, r.stderr[-3000:]
+  assert "| toy_mc | acc,none |" in (w / "lm_eval" / "table.md").read_text()
+  for R in (1, 4):
+    assert "toy_mc" in json.loads((w / "lm_eval" / f"r{R}.json").read_text())
+    used = [json.loads(x) for x in (w / "lm_eval" / f"requests_r{R}.jsonl").open()]
+    assert {x["iterations"] for x in used} == {float(R)}
