@@ -101,3 +101,24 @@ def test_rows_exit_independently_of_the_rest_of_the_batch():
     alone = generate(mod, [p], 6, num_loops=4, exit=rule)
     assert batch.tokens[b] == alone.tokens[0]
     np.testing.assert_array_equal(batch.iterations[b], alone.iterations[0])
+
+
+def test_a_bounded_cache_keeps_iteration_r_in_slot_r_mod_m():
+  """M = R slots is the full cache; M = 2 of R = 4 holds half the memory and
+  decodes other logits (iterations 3, 4 read the prompt's 1, 2 overwritten);
+  with a core that leaves the state as it is (zero-init output projections,
+  no injection: every iteration's keys and values equal), bounding the cache
+  changes nothing."""
+  _, mod = model(injection="add")
+  full = generate(mod, PROMPTS, 4, num_loops=4, keep_logits=True)
+  same = generate(mod, PROMPTS, 4, num_loops=4, cache_slots=4, keep_logits=True)
+  half = generate(mod, PROMPTS, 4, num_loops=4, cache_slots=2, keep_logits=True)
+  np.testing.assert_allclose(same.logits, full.logits, atol=1e-6)
+  np.testing.assert_allclose(half.logits[:, 0], full.logits[:, 0], atol=2e-4)
+  assert not np.allclose(half.logits[:, 1:], full.logits[:, 1:], atol=1e-3)
+  _, still = model(injection="none", out_init_scale=0.0)
+  a = generate(still, PROMPTS, 4, num_loops=4, keep_logits=True)
+  b = generate(still, PROMPTS, 4, num_loops=4, cache_slots=1, keep_logits=True)
+  np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+  with pytest.raises(ValueError, match="cache_slots"):
+    generate(mod, PROMPTS, 2, num_loops=4, cache_slots=5)

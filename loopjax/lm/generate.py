@@ -8,7 +8,9 @@ prompts are one prefill call at the full R; each new token is one call of the
 same compiled step at the next slot (the slot is an argument), so the cost
 per token is one iteration stack over one position.
 
-Every recurrence keeps its own keys and values (Huginn's "full" cache). With
+Every recurrence keeps its own keys and values (Huginn's "full" cache), or
+with `cache_slots` M < R iteration r keeps them in slot r mod M (Huginn's
+"compress-s" lookups: memory bounded by M whatever R). With
 an exit rule (`Exit`) a new token iterates until the rule holds on its
 next-token distribution (`halting.CRITERIA`, as `halting.adaptive` decides
 per token), then its state is frozen: the recurrences it skipped get the keys
@@ -27,6 +29,7 @@ import numpy as np
 
 from loopjax import halting
 from loopjax.errors import ConfigError
+from loopjax.model.transformer import cached_iterations
 from loopjax.state import Model
 
 
@@ -83,20 +86,21 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
   return tokens_BT, np.asarray([T - len(p) for p in prompts], np.int32)
 
 
-@jax.jit
-def prefill(model: Model, tokens_BT, cache, key, start_B):
+@functools.partial(jax.jit, static_argnames=("num_loops",))
+def prefill(model: Model, tokens_BT, cache, key, start_B, num_loops=None):
   """The prompts in one call: the last slot's logits (B, V), the cache
-  filled. `key`: a random initial state's (Huginn's)."""
-  logits_BTV, cache = model.module().decode(tokens_BT, cache, 0, key, start_B)
+  filled. `key`: a random initial state's (Huginn's); `num_loops`: see
+  `LoopedTransformer.decode`."""
+  m = model.module()
+  logits_BTV, cache = m.decode(tokens_BT, cache, 0, key, start_B, num_loops)
   return logits_BTV[:, -1], cache
 
 
-@jax.jit
-def decode_step(model: Model, token_B, cache, offset, key, start_B):
-  """One new token per row in slot `offset` (traced: one program for all),
-  at every recurrence the cache has."""
+@functools.partial(jax.jit, static_argnames=("num_loops",))
+def decode_step(model: Model, token_B, cache, offset, key, start_B, num_loops=None):
+  """One new token per row in slot `offset` (traced: one program for all)."""
   m = model.module()
-  logits_BTV, cache = m.decode(token_B[:, None], cache, offset, key, start_B)
+  logits_BTV, cache = m.decode(token_B[:, None], cache, offset, key, start_B, num_loops)
   return logits_BTV[:, 0], cache
 
 
@@ -114,8 +118,10 @@ class _Carry(NamedTuple):
   kv: list  # per core layer, the token's keys and values at its last iteration
 
 
-@functools.partial(jax.jit, static_argnames=("rule",))
-def exit_step(model: Model, token_B, cache, offset, key, start_B, rule: Exit):
+@functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
+def exit_step(
+  model: Model, token_B, cache, offset, key, start_B, rule: Exit, num_loops=None
+):
   """`decode_step` with each row's new token exiting by `rule`: (logits at
   its exit (B, V), the cache, the iterations it used (B,))."""
   m = model.module()
@@ -149,7 +155,7 @@ def exit_step(model: Model, token_B, cache, offset, key, start_B, rule: Exit):
     kv=[tuple(slot(a[0]) for a in kv) for kv in cache["core"]],
   )
 
-  def iteration(c: _Carry, kv_per_layer):
+  def iteration(c: _Carry, kv_per_layer, r):
     t = c.t + 1
     h_new, kvs = m.cached_step(c.h, x_BTD, kv_per_layer, offset, start_B)
     done_B1 = c.done[:, None]
@@ -185,7 +191,7 @@ def exit_step(model: Model, token_B, cache, offset, key, start_B, rule: Exit):
     )
     return carry, kvs
 
-  out, new["core"] = jax.lax.scan(iteration, init, cache["core"])
+  out, new["core"] = cached_iterations(iteration, init, cache["core"], num_loops)
   _, cache = m.decode_out(out.h, cache, offset, start_B, new)
   return out.logits[:, 0], cache, out.iters
 
@@ -202,16 +208,22 @@ def generate(
   eos_id: int | None = None,
   stop: Callable[[list[int]], bool] | None = None,
   exit: Exit | None = None,
+  cache_slots: int | None = None,
   keep_logits: bool = False,
 ) -> Generation:
   """Continue each prompt (token ids; lengths may differ) by up to
   `max_new_tokens` tokens at `num_loops` recurrences (the most, with `exit`).
   temperature 0: greedy; top_k > 0: sample among the k likeliest. A row ends
   at `eos_id` or once `stop(its new tokens)` holds; the batch ends when every
-  row has."""
+  row has. `cache_slots` M < R: a bounded cache, iteration r in slot r mod M
+  (memory M / R of the full one's)."""
   tokens_BT, start_B = left_pad(prompts)
   B, T = tokens_BT.shape
-  cache = model.module().init_cache(B, T + max_new_tokens, num_loops, model.dtype)
+  M = cache_slots or num_loops
+  if not 1 <= M <= num_loops:
+    raise ValueError(f"generate: cache_slots must be 1 .. num_loops {num_loops}")
+  cache = model.module().init_cache(B, T + max_new_tokens, M, model.dtype)
+  R = num_loops if M < num_loops else None  # None: a slot per iteration
 
   def choose(logits_BV, key):
     if temperature <= 0:
@@ -224,7 +236,9 @@ def generate(
 
   prefill_key, key = jax.random.split(jax.random.key(seed))
   start_B = jnp.asarray(start_B)
-  logits_BV, cache = prefill(model, jnp.asarray(tokens_BT), cache, prefill_key, start_B)
+  logits_BV, cache = prefill(
+    model, jnp.asarray(tokens_BT), cache, prefill_key, start_B, num_loops=R
+  )
   iters_B = np.full(B, num_loops)
   keys = jax.random.split(key, 2 * max_new_tokens).reshape(max_new_tokens, 2)
   new, ended = [[] for _ in range(B)], np.zeros(B, bool)
@@ -241,12 +255,11 @@ def generate(
     if ended.all() or i + 1 == max_new_tokens:
       break
     offset = jnp.int32(T + i)
+    args = (model, token_B, cache, offset, keys[i, 1], start_B)
     if exit is None:
-      logits_BV, cache = decode_step(model, token_B, cache, offset, keys[i, 1], start_B)
+      logits_BV, cache = decode_step(*args, num_loops=R)
     else:
-      logits_BV, cache, iters_B = exit_step(
-        model, token_B, cache, offset, keys[i, 1], start_B, exit
-      )
+      logits_BV, cache, iters_B = exit_step(*args, exit, num_loops=R)
       iters_B = np.asarray(iters_B)
   return Generation(
     tokens=new,

@@ -184,7 +184,8 @@ class LoopedTransformer(nnx.Module):
 
   def init_cache(self, batch: int, length: int, num_loops: int, dtype) -> dict:
     """Empty key/value caches for `decode`: per prelude and coda layer (B, S, N,
-    H) each, per core layer (R, B, S, N, H) each (every iteration its own)."""
+    H) each, per core layer (M, B, S, N, H) each, M = `num_loops`: every
+    iteration its own, or fewer slots than the iterations run (bounded)."""
     N = self.cfg.num_heads
     shape = (batch, length, self.cfg.num_kv_heads or N, self.cfg.d_model // N)
 
@@ -197,20 +198,24 @@ class LoopedTransformer(nnx.Module):
       "coda": [kv() for _ in self.coda],
     }
 
-  def decode(self, tokens_BT, cache: dict, offset, key=None, start_B=None):
+  def decode(
+    self, tokens_BT, cache: dict, offset, key=None, start_B=None, num_loops=None
+  ):
     """Next-token logits (B, T, V) of tokens in slots offset.., given the
     caches of every earlier slot (`init_cache`); returns the caches with
     these tokens' keys and values written in. Prefill and one-token steps are
-    the same call; R is the caches' leading core axis. `start_B`: each row's
-    first real slot (prompts of different lengths, padded on the left).
-    Equal to the full forward's logits at those positions (a random initial
-    state excepted: it is drawn per call)."""
+    the same call. `start_B`: each row's first real slot (prompts of
+    different lengths, padded on the left). `num_loops` R: default, the
+    caches' M slots, one per iteration (equal to the full forward's logits
+    at those positions, a random initial state excepted: it is drawn per
+    call); R > M: a bounded cache, iteration r reads and writes slot r mod M
+    (Huginn's "compress-s" lookups)."""
     x_BTD, h_BTD, new = self.decode_in(tokens_BT, cache, offset, key, start_B)
 
-    def iteration(h_BTD, kv_per_layer):
+    def iteration(h_BTD, kv_per_layer, r):
       return self.cached_step(h_BTD, x_BTD, kv_per_layer, offset, start_B)
 
-    h_BTD, new["core"] = jax.lax.scan(iteration, h_BTD, cache["core"])
+    h_BTD, new["core"] = cached_iterations(iteration, h_BTD, cache["core"], num_loops)
     return self.decode_out(h_BTD, cache, offset, start_B, new)
 
   def decode_in(self, tokens_BT, cache, offset, key=None, start_B=None):
@@ -308,6 +313,30 @@ class LoopedTransformer(nnx.Module):
       return self.coda_out(h_BTD, segments_BT)
     logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
+
+
+def cached_iterations(iteration, carry, core_cache: list, num_loops=None):
+  """`carry` through `num_loops` calls of iteration(carry, the core's caches
+  of slot r mod M, r) -> (carry, those caches updated); M: the caches'
+  leading axis, also the default number of iterations. Returns (carry, the
+  caches)."""
+  M = core_cache[0][0].shape[0]
+  if num_loops is None or num_loops == M:  # a slot per iteration: scanned over
+    return jax.lax.scan(
+      lambda c, xs: iteration(c, xs[0], xs[1]), carry, (core_cache, jnp.arange(M))
+    )
+
+  def step(c, r):
+    carry, cache = c
+    slot = r % M
+    carry, kv = iteration(carry, jax.tree.map(lambda a: a[slot], cache), r)
+    cache = jax.tree.map(
+      lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, slot, 0), cache, kv
+    )
+    return (carry, cache), None
+
+  carry_cache, _ = jax.lax.scan(step, (carry, core_cache), jnp.arange(num_loops))
+  return carry_cache
 
 
 def _traced(blocks, h_BTD, segments_BT=None):
