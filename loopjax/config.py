@@ -54,6 +54,9 @@ def base() -> ml_collections.ConfigDict:
     bos=True,
     align=False,
     text_field="text",
+    # prompts:FILE as JSONL: the gold answer's field (GSM8K's "answer"); then
+    # --mode=analyze also answers each prompt (analyze.answer_tokens, greedy)
+    answer_field="",
     valid_fraction=0.02,
     valid_sequences=0,
   )
@@ -189,6 +192,7 @@ def base() -> ml_collections.ConfigDict:
     # A pretrained model's (model.hf_dir) feedforward baseline: a Llama or
     # OLMo 2 directory whose stages are analyzed on the same prompts.
     baseline_dir="",
+    answer_tokens=256,  # new tokens per answer (data.answer_field)
     halting=dict(
       criteria=HALTING_LTG,
       r_min=2,  # LTG: iteration t against t - 1 from the second iteration on

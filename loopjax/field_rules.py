@@ -69,6 +69,7 @@ BOUNDS = {
       "analyze.max_depth",
       "analyze.batch_size",
       "analyze.lm_windows",
+      "analyze.answer_tokens",
       "analyze.halting.r_min",
       "analyze.halting.r_max",
     ),

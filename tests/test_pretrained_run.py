@@ -109,7 +109,7 @@ def test_bad_prompts_tokenizers_and_splits_name_the_field(tmp_path):
   bad = tmp_path / "p.jsonl"
   bad.write_text('{"text": "no question field"}\n')
   c.data.source = f"prompts:{bad}"
-  with pytest.raises(ConfigError, match=r"p.jsonl:1: not a JSON object with the pro"):
+  with pytest.raises(ConfigError, match=r"p.jsonl:1: not a JSON object with a field"):
     pretrained.analyze(c, tmp_path / "wd")
   c.data.source = f"prompts:{tmp_path / 'none.txt'}"
   with pytest.raises(ConfigError, match="no prompts file"):
@@ -226,3 +226,73 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   # never exiting is the r_max forward: every token, every answer, the loss
   assert (fixed["iterations"], fixed["early"], fixed["agree"]) == (3, 0, 1)
   assert fixed["loss"] == pytest.approx(fixed["loss_full"], abs=1e-5)
+
+
+def test_answers_are_scored_beside_each_questions_statistics(tmp_path):
+  """data.answer_field: each question answered greedily at R and scored by
+  its last number against the gold's; answers.jsonl holds each question's
+  correctness with its read change, settled share and sink at R and at the
+  deepest iteration, answers.md the means over right and wrong."""
+  c = config("ouro", "ouro")
+  c.analyze.update(names=("fixed_points", "stages"), answer_tokens=4)
+  questions = ["2 apples and 3 apples", "one two three", "how many apples"]
+  path = tmp_path / "q.jsonl"
+  path.write_text(
+    "".join(
+      json.dumps({"q": q, "a": f"so\n#### {i}"}) + "\n" for i, q in enumerate(questions)
+    )
+  )
+  c.data.update(source=f"prompts:{path}", text_field="q", answer_field="a")
+  written = pretrained.analyze(c, tmp_path / "w")
+  assert tmp_path / "w" / "analysis" / "answers.jsonl" in written
+  rows = [json.loads(x) for x in (tmp_path / "w/analysis/answers.jsonl").open()]
+  assert [r["gold"] for r in rows] == ["0", "1", "2"]
+  assert all(r["correct"] == (r["predicted"] == r["gold"]) for r in rows)
+  assert all(0 <= r["settled_at_R"] <= 1 and r["read_change_last"] >= 0 for r in rows)
+  assert all(0 <= r["sink_at_R"] <= 1 and 0 <= r["sink_last"] <= 1 for r in rows)
+  assert "| sink_at_R |" in (tmp_path / "w/analysis/answers.md").read_text()
+  c.data.answer_field = "missing"
+  with pytest.raises(ConfigError, match="q.jsonl:1: .*answer_field='missing'"):
+    pretrained.analyze(c, tmp_path / "w2")
+
+
+def test_an_answer_is_right_when_its_last_number_is_the_golds(tmp_path):
+  """A model whose every token is a digit (a word-level tokenizer of the ten):
+  the gold set to its own greedy answer's last number is right, another
+  wrong; GSM8K's "####" and commas read as lm-evaluation-harness reads them."""
+  from types import SimpleNamespace
+
+  from flax import nnx
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+  from experiments import lm as lm_experiment
+  from loopjax.data import lm
+  from loopjax.lm import answers
+  from loopjax.lm.generate import generate
+  from loopjax.state import Model, build_model
+
+  assert answers.final_number("so 1,234.0 apples, then 7.5") == "7.5"
+  assert answers.gold("48 + 24 = 72\n#### 72") == "72" and answers.gold("no") is None
+  tok = Tokenizer(models.WordLevel({str(i): i for i in range(10)}, unk_token="0"))
+  tok.pre_tokenizer, tok.decoder = (
+    pre_tokenizers.WhitespaceSplit(),
+    decoders.WordPiece(),
+  )
+  task = SimpleNamespace(tokenizer_json=tok.to_str(), eos_id=None, seq_len=16)
+  m = lm_experiment.get_config("tiny").model
+  m.update(d_model=32, num_heads=4, num_loops=2)
+  net = build_model(m, 10, 32, seed=0)
+  model = Model(nnx.graphdef(net), nnx.to_pure_dict(nnx.state(net, nnx.Param)))
+  prompts = ["1 2 3", "4 5"]
+  said = generate(model, [lm.encode(task.tokenizer_json, prompts[0])], 3, num_loops=2)
+  last = answers.final_number(lm.decode(task.tokenizer_json, said.tokens[0]))
+  assert last is not None
+  golds = [f"#### {last}", f"#### {int(last) + 1},000"]
+  stats = [{"sink_at_R": 0.5}, {"sink_at_R": 0.1}]
+  answers.score(
+    model, task, prompts, golds, num_loops=2, tokens=3, stats=stats, out_dir=tmp_path
+  )
+  rows = [json.loads(x) for x in (tmp_path / "answers.jsonl").open()]
+  assert [r["correct"] for r in rows] == [True, False]
+  assert rows[1]["gold"] == f"{int(last) + 1}000"
+  assert "| sink_at_R | 0.5 | 0.1 |" in (tmp_path / "answers.md").read_text()

@@ -73,11 +73,12 @@ def memory(compiled, batch, depth: int, model_cfg) -> dict:
 
 
 def run(
-  config, task, model: Model, step: int, out_dir, probe=None, split=SPLIT
+  config, task, model: Model, step: int, out_dir, probe=None, split=SPLIT, rows=None
 ) -> list[Path]:
   """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`;
   `probe`: (batches, n) to analyze instead of validation windows, reported
-  as `split` (a pretrained model's prompts)."""
+  as `split` (a pretrained model's prompts); `rows`: called with the
+  streamed pass's per-row outputs, returns the paths it wrote."""
   a, out_dir, names = config.analyze, Path(out_dir), config_lib.analyses(config)
   out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth
@@ -119,7 +120,7 @@ def run(
     written += _write(out_dir, name, report, view.table(name, report))
     written += view.plot(name, report, out_dir)
     print(f"{name}: " + view.summary(name, report))
-  return written
+  return written + (rows(ex) if rows else [])
 
 
 def _write(out_dir: Path, name: str, report: dict, table: str) -> list[Path]:

@@ -15,7 +15,9 @@ from loopjax import restore
 from loopjax.analysis import stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
+from loopjax.lm import answers
 from loopjax.lm import prompts as prompts_lib
+from loopjax.names import LM_STREAMED
 from loopjax.pretrained import llama
 from loopjax.pretrained.load import resolve
 from loopjax.workdir import Workdir, write_atomic
@@ -25,6 +27,13 @@ def prepare(config, workdir):
   """(task, prompts): the directory's config, tokenizer and prompts and the
   workdir checked, before any weight is read or anything compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
+  if config.data.answer_field:
+    prompts_lib.answers(config.data.source, config.data.answer_field)  # checked
+    if not set(LM_STREAMED) & set(config_lib.analyses(config)):
+      raise ConfigError(
+        "data.answer_field: answers are scored beside the streamed analyses; "
+        f"add one of {', '.join(LM_STREAMED)} to analyze.names"
+      )
   _, _, cfg, vocab_size, _ = prompts_lib.shape(config)
   task = prompts_lib.lm_data(config, prompts_lib.tokenizer(config, vocab_size), prompts)
   h, m = config.analyze.halting, config.model
@@ -53,7 +62,9 @@ def analyze(config, workdir) -> list[Path]:
   cfg, model = restore.from_hf_dir(config)  # every tensor checked: then the record
   write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
-  written = _run(config, cfg, model, task, prompts, out)
+  field = config.data.answer_field
+  golds = field and prompts_lib.answers(config.data.source, field)
+  written = _run(config, cfg, model, task, prompts, out, golds or None)
   if baseline is None:
     return written
   del model  # one model in memory at a time
@@ -73,11 +84,23 @@ def _over_base(config):
   return out
 
 
-def _run(config, cfg, model, task, prompts, out: Path) -> list[Path]:
+def _run(config, cfg, model, task, prompts, out: Path, golds=None) -> list[Path]:
+  """The analyses on the prompts; with `golds`, each prompt also answered
+  and scored beside its statistics (`answers`)."""
   run_config = _over_base(config)
   run_config.model = cfg  # the directory's shapes, for the memory report
   probe = prompts_lib.batches(task, prompts, config.analyze.batch_size)
-  return analyze_lm.run(run_config, task, model, 0, out, probe, "prompts")
+  a, R = config.analyze, cfg.num_loops
+
+  def scored(ex):
+    stats = answers.per_question(ex, R, a.tol)
+    return answers.score(
+      model, task, prompts, golds, num_loops=R, tokens=a.answer_tokens,
+      stats=stats, out_dir=out,
+    )  # fmt: skip
+
+  rows = scored if golds else None
+  return analyze_lm.run(run_config, task, model, 0, out, probe, "prompts", rows)
 
 
 def _baseline_config(config):

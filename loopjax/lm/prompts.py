@@ -59,22 +59,34 @@ def read(source: str, field: str) -> list[str]:
   if not path.is_file():
     raise ConfigError(f"data.source: no prompts file {path}")
   lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-  if path.suffix != ".jsonl":
-    prompts = lines
-  else:
-    prompts = []
-    for i, ln in enumerate(lines, 1):
-      try:
-        row = json.loads(ln)
-        prompts.append(row[field])
-      except (json.JSONDecodeError, KeyError, TypeError):
-        raise ConfigError(
-          f"{path}:{i}: not a JSON object with the prompt under "
-          f"data.text_field={field!r}"
-        ) from None
+  prompts = lines if path.suffix != ".jsonl" else column(path, lines, field, "text")
   if not prompts:
     raise ConfigError(f"data.source: {path} holds no prompt")
   return prompts
+
+
+def answers(source: str, field: str) -> list[str]:
+  """The gold answers of a JSONL prompts file, under `data.answer_field`."""
+  path = Path(source.removeprefix("prompts:")).expanduser()
+  if path.suffix != ".jsonl":
+    raise ConfigError(
+      f"data.answer_field: {path} is not JSONL; answers need one object per line"
+    )
+  lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+  return [str(a) for a in column(path, lines, field, "answer")]
+
+
+def column(path: Path, lines: list[str], field: str, what: str) -> list:
+  """Each JSONL line's `field`, or one line naming the line and the field."""
+  out = []
+  for i, ln in enumerate(lines, 1):
+    try:
+      out.append(json.loads(ln)[field])
+    except (json.JSONDecodeError, KeyError, TypeError):
+      raise ConfigError(
+        f"{path}:{i}: not a JSON object with a field data.{what}_field={field!r}"
+      ) from None
+  return out
 
 
 def lm_data(config, tokenizer: str, prompts: list[str]) -> lm.LmData:
