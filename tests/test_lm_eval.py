@@ -158,7 +158,9 @@ def test_bad_inputs_exit_2_in_one_line(tasks, tmp_path, capsys):
   (no_tok / "tokenizer.json").unlink()
   for model_args, says in [
     (f"hf_dir={no_tok}", "no tokenizer.json"),
-    (f"hf_dir={FIXTURE},exit=nope", "not a halting criterion"),
+    (f"hf_dir={FIXTURE},exit=nope", "not a per-token halting criterion"),
+    (f"hf_dir={FIXTURE.parent / 'huginn'},exit=gate", "has none"),
+    (f"hf_dir={FIXTURE},num_loop=8", "unexpected keyword argument 'num_loop'"),
   ]:
     with pytest.raises(SystemExit) as e:
       harness.main(

@@ -2,10 +2,12 @@
 MECH's relation between stable stages and accuracy can be computed per
 question (`data.answer_field`, `--mode=analyze` on a pretrained model).
 
-The answer is greedy decoding of `analyze.answer_tokens` tokens at the
-model's R; it is right when its last number equals the gold's (the number
-after GSM8K's "####", else the gold's last number), as lm-evaluation-
-harness's "flexible-extract" reads GSM8K. The statistics come from the same
+The answer is greedy decoding at the model's R, up to
+`analyze.answer_tokens` tokens, a blank line or a next "Question:" (cut
+there); it is right when its last number equals the gold's (the number
+after GSM8K's "####", else the gold's last number; commas and a trailing
+".0" dropped from both), close to how lm-evaluation-harness's
+"flexible-extract" reads GSM8K. The statistics come from the same
 streamed pass as `fixed_points` and `stages`, per question: the read change
 (worst layer, mean over the question's tokens) at R and at the deepest
 iteration, the share of tokens whose read is within `analyze.tol` of the
@@ -63,15 +65,30 @@ def per_question(ex: dict, R: int, tol: float) -> list[dict]:
   ]
 
 
-def score(model, task, prompts, golds, *, num_loops, tokens, stats, out_dir):
-  """Answer every prompt, write answers.jsonl (one line a question) and
-  answers.md (accuracy, and each statistic's mean over right and wrong
-  answers); returns the paths."""
-  ids = [task_ids(task, p) for p in prompts]
-  g = generate(model, ids, tokens, num_loops=num_loops, eos_id=task.eos_id)
+STOPS = ("\n\n", "Question:")  # where an answer ends and the next begins
+
+
+def score(
+  model, task, prompts, golds, *, num_loops, tokens, stats, out_dir, batch_size=8
+):
+  """Answer every prompt (`batch_size` at a time), write answers.jsonl (one
+  line a question) and answers.md (accuracy, and each statistic's mean over
+  right and wrong answers); returns the paths."""
+  decode = lambda ids: lm.decode(task.tokenizer_json, ids)  # noqa: E731
+  said = []
+  for at in range(0, len(prompts), batch_size):
+    ids = [task_ids(task, p) for p in prompts[at : at + batch_size]]
+    g = generate(
+      model, ids, tokens, num_loops=num_loops, eos_id=task.eos_id,
+      stop=lambda new: any(s in decode(new) for s in STOPS),
+      pad_to=(batch_size, 0),
+    )  # fmt: skip
+    said += g.tokens
   lines = []
-  for i, (new, answer) in enumerate(zip(g.tokens, golds, strict=True)):
-    text = lm.decode(task.tokenizer_json, [t for t in new if t != task.eos_id])
+  for i, (new, answer) in enumerate(zip(said, golds, strict=True)):
+    text = decode([t for t in new if t != task.eos_id])
+    for s in STOPS:
+      text = text.split(s)[0]
     pred, want = final_number(text), gold(answer)
     lines.append(
       {"question": i, "correct": pred is not None and pred == want, "predicted": pred}

@@ -6,7 +6,8 @@ cache slot; each row's positions count from its first real slot and its
 padding is never attended to (`LoopedTransformer.decode`'s `start_B`). The
 prompts are one prefill call at the full R; each new token is one call of the
 same compiled step at the next slot (the slot is an argument), so the cost
-per token is one iteration stack over one position.
+per token is one iteration stack over one position; the cache is donated to
+each call and only the new token's entries are written (not a copy of it).
 
 Every recurrence keeps its own keys and values (Huginn's "full" cache), or
 with `cache_slots` M < R iteration r keeps them in slot r mod M (Huginn's
@@ -30,6 +31,7 @@ import numpy as np
 from loopjax import halting
 from loopjax.errors import ConfigError
 from loopjax.model.transformer import cached_iterations
+from loopjax.names import HALTING_START
 from loopjax.state import Model
 
 
@@ -50,11 +52,14 @@ class Exit(NamedTuple):
   def of(cls, criterion: str, threshold: float | None = None, **kw) -> "Exit":
     """The rule with its one threshold put where its criterion reads it
     (eps, tau, patience or the gate's threshold; None: the default)."""
-    if criterion not in halting.CRITERIA:
+    names = [c for c in halting.CRITERIA if c != "kl_entropy_len"]
+    if criterion not in names:  # kl_entropy_len's bound follows a padded length
       raise ConfigError(
-        f"exit: {criterion!r} is not a halting criterion (one of "
-        f"{', '.join(halting.CRITERIA)})"
+        f"exit: {criterion!r} is not a per-token halting criterion (one of "
+        f"{', '.join(names)})"
       )
+    if kw.get("start", "uniform") not in HALTING_START:
+      raise ConfigError(f"start: must be one of {', '.join(HALTING_START)}")
     if threshold is not None:
       field = {"entropy": "tau", "argmax": "patience", "gate": "threshold"}
       name = field.get(criterion, "eps")
@@ -65,8 +70,8 @@ class Exit(NamedTuple):
 @dataclasses.dataclass
 class Generation:
   """`tokens`: each row's new tokens, up to and including its eos or the
-  token that met its stop condition; `iterations` (B, n): the recurrences
-  each new token used (the last row entries past a row's end: padding);
+  token that met its stop condition; `iterations` (B, n): the recurrences of
+  the step whose logits chose each token (entries past a row's end: padding);
   `logits` (B, n, V): the logits each token was chosen from, where kept."""
 
   tokens: list[list[int]]
@@ -74,10 +79,10 @@ class Generation:
   logits: np.ndarray | None = None
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
-  """(tokens (B, T), start_B): prompts right-aligned in T = the longest,
-  each row's first real slot."""
-  T = max(len(p) for p in prompts)
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0, length: int = 0):
+  """(tokens (B, T), start_B): prompts right-aligned in T = the longest (or
+  `length`, if longer: fewer shapes to compile), each row's first real slot."""
+  T = max(length, *(len(p) for p in prompts))
   if min(len(p) for p in prompts) == 0:
     raise ValueError("generate: an empty prompt has no position to continue from")
   tokens_BT = np.full((len(prompts), T), pad_id, np.int32)
@@ -86,7 +91,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0):
   return tokens_BT, np.asarray([T - len(p) for p in prompts], np.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("num_loops",))
+@functools.partial(jax.jit, static_argnames=("num_loops",), donate_argnames=("cache",))
 def prefill(model: Model, tokens_BT, cache, key, start_B, num_loops=None):
   """The prompts in one call: the last slot's logits (B, V), the cache
   filled. `key`: a random initial state's (Huginn's); `num_loops`: see
@@ -96,7 +101,7 @@ def prefill(model: Model, tokens_BT, cache, key, start_B, num_loops=None):
   return logits_BTV[:, -1], cache
 
 
-@functools.partial(jax.jit, static_argnames=("num_loops",))
+@functools.partial(jax.jit, static_argnames=("num_loops",), donate_argnames=("cache",))
 def decode_step(model: Model, token_B, cache, offset, key, start_B, num_loops=None):
   """One new token per row in slot `offset` (traced: one program for all)."""
   m = model.module()
@@ -118,12 +123,16 @@ class _Carry(NamedTuple):
   kv: list  # per core layer, the token's keys and values at its last iteration
 
 
-@functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
+@functools.partial(
+  jax.jit, static_argnames=("rule", "num_loops"), donate_argnames=("cache",)
+)
 def exit_step(
   model: Model, token_B, cache, offset, key, start_B, rule: Exit, num_loops=None
 ):
   """`decode_step` with each row's new token exiting by `rule`: (logits at
-  its exit (B, V), the cache, the iterations it used (B,))."""
+  its exit (B, V), the cache, the iterations it used (B,)). Every row runs
+  the R iterations (one program, static shapes): an exit fixes what a token
+  reads and leaves in the cache, not the step's compute."""
   m = model.module()
   x_BTD, h_BTD, new = m.decode_in(token_B[:, None], cache, offset, key, start_B)
   limits = halting.Limits(rule.eps, rule.tau, rule.patience, rule.tau, rule.threshold)
@@ -132,15 +141,20 @@ def exit_step(
   def read(h_BTD):  # the next-token logits from a state (B, 1, V)
     return m.decode_out(h_BTD, cache, offset, start_B)
 
-  B = token_B.shape[0]
-  logits = read(m.end_iteration(h_BTD))
-  logp = jax.nn.log_softmax(logits)
-  if rule.start == "uniform":
-    logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
+  B, V = token_B.shape[0], m.unembedding.shape[-1]
+  if rule.start == "uniform":  # nothing read yet: the first state is not
+    logits = jnp.zeros((B, 1, V), jnp.float32)
+    logp = jnp.full_like(logits, -jnp.log(V))
     entropy, argmax = jnp.full((B, 1), jnp.inf), jnp.full((B, 1), -1)
   else:
+    logits = read(m.end_iteration(h_BTD))
+    logp = jax.nn.log_softmax(logits)
     entropy, argmax = halting.entropy_of(logp), logp.argmax(-1)
-  slot = lambda a: jax.lax.dynamic_slice_in_dim(a, offset, 1, 1)  # noqa: E731
+
+  def new_entry(a, slot):  # the new token's keys or values at `slot` (B, 1, K, H)
+    B, _, K, H = a.shape[1:]
+    return jax.lax.dynamic_slice(a, (slot, 0, offset, 0, 0), (1, B, 1, K, H))[0]
+
   init = _Carry(
     t=jnp.zeros((), jnp.int32),
     h=h_BTD,
@@ -152,19 +166,23 @@ def exit_step(
     exit_cdf=jnp.zeros((B, 1)),
     done=jnp.zeros((B,), bool),
     iters=jnp.zeros((B,), jnp.int32),
-    kv=[tuple(slot(a[0]) for a in kv) for kv in cache["core"]],
+    kv=jax.tree.map(lambda a: new_entry(a, 0), cache["core"]),  # (a shape)
   )
 
-  def iteration(c: _Carry, kv_per_layer, r):
+  def iteration(c: _Carry, core_cache, slot):
     t = c.t + 1
-    h_new, kvs = m.cached_step(c.h, x_BTD, kv_per_layer, offset, start_B)
+    h_new, core_cache = m.cached_step(c.h, x_BTD, core_cache, slot, offset, start_B)
     done_B1 = c.done[:, None]
     # A row that has exited writes the keys and values of its last iteration.
     kv = jax.tree.map(
-      lambda last, a: jnp.where(done_B1[..., None, None], last, slot(a)), c.kv, kvs
+      lambda last, a: jnp.where(done_B1[..., None, None], last, new_entry(a, slot)),
+      c.kv,
+      core_cache,
     )
-    kvs = jax.tree.map(
-      lambda a, n: jax.lax.dynamic_update_slice_in_dim(a, n, offset, 1), kvs, kv
+    core_cache = jax.tree.map(
+      lambda a, n: jax.lax.dynamic_update_slice(a, n[None], (slot, 0, offset, 0, 0)),
+      core_cache,
+      kv,
     )
     logits = read(h_new)
     logp = jax.nn.log_softmax(logits)
@@ -189,7 +207,7 @@ def exit_step(
       iters=jnp.where(c.done, c.iters, t),
       kv=kv,
     )
-    return carry, kvs
+    return carry, core_cache
 
   out, new["core"] = cached_iterations(iteration, init, cache["core"], num_loops)
   _, cache = m.decode_out(out.h, cache, offset, start_B, new)
@@ -210,18 +228,23 @@ def generate(
   exit: Exit | None = None,
   cache_slots: int | None = None,
   keep_logits: bool = False,
+  pad_to: tuple[int, int] = (0, 0),
 ) -> Generation:
   """Continue each prompt (token ids; lengths may differ) by up to
   `max_new_tokens` tokens at `num_loops` recurrences (the most, with `exit`).
   temperature 0: greedy; top_k > 0: sample among the k likeliest. A row ends
   at `eos_id` or once `stop(its new tokens)` holds; the batch ends when every
   row has. `cache_slots` M < R: a bounded cache, iteration r in slot r mod M
-  (memory M / R of the full one's)."""
-  tokens_BT, start_B = left_pad(prompts)
+  (memory M / R of the full one's). `pad_to` (rows, slots): the batch padded
+  to at least that many rows (copies of the first prompt, ended from the
+  start, not returned) and slots, so callers bound what compiles."""
+  n = len(prompts)
+  prompts = list(prompts) + [prompts[0]] * (pad_to[0] - n)
+  tokens_BT, start_B = left_pad(prompts, length=pad_to[1])
   B, T = tokens_BT.shape
   M = cache_slots or num_loops
   if not 1 <= M <= num_loops:
-    raise ValueError(f"generate: cache_slots must be 1 .. num_loops {num_loops}")
+    raise ConfigError(f"cache_slots: must be 1 .. num_loops ({num_loops})")
   cache = model.module().init_cache(B, T + max_new_tokens, M, model.dtype)
   R = num_loops if M < num_loops else None  # None: a slot per iteration
 
@@ -241,7 +264,7 @@ def generate(
   )
   iters_B = np.full(B, num_loops)
   keys = jax.random.split(key, 2 * max_new_tokens).reshape(max_new_tokens, 2)
-  new, ended = [[] for _ in range(B)], np.zeros(B, bool)
+  new, ended = [[] for _ in range(B)], np.arange(B) >= n
   seen, used = [], []
   for i in range(max_new_tokens):
     token_B = choose(logits_BV, keys[i, 0]).astype(jnp.int32)
@@ -262,7 +285,7 @@ def generate(
       logits_BV, cache, iters_B = exit_step(*args, exit, num_loops=R)
       iters_B = np.asarray(iters_B)
   return Generation(
-    tokens=new,
-    iterations=np.stack(used, 1),
-    logits=np.stack(seen, 1) if keep_logits else None,
+    tokens=new[:n],
+    iterations=np.stack(used, 1)[:n],
+    logits=np.stack(seen, 1)[:n] if keep_logits else None,
   )

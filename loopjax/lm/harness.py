@@ -51,10 +51,11 @@ class LoopjaxLM(TemplateLM):
     add_bos_token: bool = False,
     seed: int = 0,
     record: str | None = None,
-    **unused,
+    max_batch_size: int | None = None,  # the harness's, for batch_size=auto
+    device: str | None = None,  # the harness's; JAX places the model
   ):
     super().__init__()
-    rule = exit and Exit.of(exit, threshold, r_min=r_min, start=start)
+    rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
     if str(batch_size).startswith("auto"):
       batch_size = 8  # no memory probe: the harness's "auto" gets the default
     loaded = scoring.load(
@@ -68,7 +69,6 @@ class LoopjaxLM(TemplateLM):
     if self.template is not None:
       self.apply_chat_template([{"role": "user", "content": "2 + 2?"}])  # renders?
     self.record = record and Path(record).expanduser()
-    self._rank, self._world_size = 0, 1
 
   # --- what TemplateLM asks of a model ----------------------------------------
 
@@ -124,35 +124,34 @@ class LoopjaxLM(TemplateLM):
       ) from None
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
-    pairs = [(ctx, cont) for _, ctx, cont in requests]
-    scores = self.scorer.loglikelihood(pairs)
+    scores = self.scorer.loglikelihood([(ctx, cont) for _, ctx, cont in requests])
     for (key, *_), s in zip(requests, scores, strict=True):
-      if getattr(self, "cache_hook", None) is not None:
-        self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
-    return [(s.logprob, s.greedy) for s in scores], scores
+      self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
+    self._scores = scores  # for `loglikelihood`'s record: it has the requests
+    return [(s.logprob, s.greedy) for s in scores]
 
   def loglikelihood(self, requests, disable_tqdm: bool = False):
-    out, scores = super().loglikelihood(requests, disable_tqdm)
-    self._write(requests, "loglikelihood", [s.iterations for s in scores])
+    out = super().loglikelihood(requests, disable_tqdm)
+    self._write(requests, "loglikelihood", [s.iterations for s in self._scores])
     return out
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
     """A whole text's log-likelihood, in windows of `max_length` tokens
     (the harness's own windowing)."""
-    out, used = [], []
-    for (text,) in (r.args for r in requests):
-      windows = [
-        utils.make_disjoint_window(w)
-        for w in utils.get_rolling_token_windows(
-          self.tok_encode(text),
-          self.prefix_token_id,
-          self.scorer.max_length,
-          1,
-        )
-      ]
-      scores = self.scorer.loglikelihood(windows)
-      out.append(sum(s.logprob for s in scores))
-      used.append(sum(s.iterations for s in scores) / max(len(scores), 1))
+    windows, owner = [], []  # every text's windows, scored in one call
+    for i, (text,) in enumerate(r.args for r in requests):
+      for w in utils.get_rolling_token_windows(
+        self.tok_encode(text), self.prefix_token_id, self.scorer.max_length, 1
+      ):
+        windows.append(utils.make_disjoint_window(w))
+        owner.append(i)
+    scores = self.scorer.loglikelihood(windows)
+    out, used, count = [0.0] * len(requests), [0.0] * len(requests), [0] * len(requests)
+    for i, s in zip(owner, scores, strict=True):
+      out[i] += s.logprob
+      used[i] += s.iterations
+      count[i] += 1
+    used = [u / max(c, 1) for u, c in zip(used, count, strict=True)]
     self._write(requests, "loglikelihood_rolling", used)
     return out
 
@@ -172,7 +171,7 @@ class LoopjaxLM(TemplateLM):
         contexts,
         until,
         int(kw.get("max_gen_toks", self.max_gen_toks)),
-        float(kw.get("temperature", 0.0)) if kw.get("do_sample") else 0.0,
+        float(kw.get("temperature", 1.0)) if kw.get("do_sample") else 0.0,
       )
       for i, (text, iters) in zip(idx, done, strict=True):
         texts[i], used[i] = text, iters
@@ -191,22 +190,6 @@ class LoopjaxLM(TemplateLM):
       for r, iters in zip(requests, iterations, strict=True):
         line = {"task": r.task_name, "doc_id": r.doc_id, "idx": r.idx}
         f.write(json.dumps(line | {"request": kind, "iterations": iters}) + "\n")
-
-
-def main(argv=None):
-  """The harness's command line with `loopjax` registered; bad model
-  arguments exit 2 with one line."""
-  from lm_eval.__main__ import cli_evaluate
-
-  sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
-  try:
-    cli_evaluate()
-  except ConfigError as e:
-    exit_with(str(e))
-
-
-if __name__ == "__main__":
-  main()
 
 
 def run(
@@ -273,3 +256,23 @@ def run(
   (out / "table.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return out
+
+
+def main(argv=None):
+  """The harness's command line with `loopjax` registered; bad model
+  arguments exit 2 with one line."""
+  from lm_eval.__main__ import cli_evaluate
+
+  sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+  try:
+    cli_evaluate()
+  except ConfigError as e:
+    exit_with(str(e))
+  except TypeError as e:  # a model argument LoopjaxLM does not take
+    if "LoopjaxLM.__init__() got an unexpected keyword" not in str(e):
+      raise
+    exit_with(f"--model_args: {e}")
+
+
+if __name__ == "__main__":
+  main()

@@ -35,6 +35,12 @@ def prepare(config, workdir):
         f"add one of {', '.join(LM_STREAMED)} to analyze.names"
       )
   _, _, cfg, vocab_size, _ = prompts_lib.shape(config)
+  if config.data.answer_field and not 2 <= cfg.num_loops <= config.analyze.max_depth:
+    raise ConfigError(
+      "data.answer_field: each answer's statistics are read at R "
+      f"({cfg.num_loops}), which must be 2 .. analyze.max_depth "
+      f"({config.analyze.max_depth})"
+    )
   task = prompts_lib.lm_data(config, prompts_lib.tokenizer(config, vocab_size), prompts)
   h, m = config.analyze.halting, config.model
   names = config_lib.analyses(config)
@@ -96,7 +102,7 @@ def _run(config, cfg, model, task, prompts, out: Path, golds=None) -> list[Path]
     stats = answers.per_question(ex, R, a.tol)
     return answers.score(
       model, task, prompts, golds, num_loops=R, tokens=a.answer_tokens,
-      stats=stats, out_dir=out,
+      stats=stats, out_dir=out, batch_size=a.batch_size,
     )  # fmt: skip
 
   rows = scored if golds else None

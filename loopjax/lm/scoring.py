@@ -112,7 +112,7 @@ class Scorer:
     key = jax.random.key(self.seed)
     for at in range(0, len(order), self.batch_size):
       chunk = order[at : at + self.batch_size]
-      T = -(-len(rows[chunk[0]][0]) // BUCKET) * BUCKET
+      T = min(-(-len(rows[chunk[0]][0]) // BUCKET) * BUCKET, self.max_length)
       inputs_BT = np.zeros((self.batch_size, T), np.int32)
       targets_BT = np.zeros((self.batch_size, T), np.int32)
       for b, i in enumerate(chunk):
@@ -124,7 +124,8 @@ class Scorer:
       )  # fmt: skip
       logp_BT, greedy_BT, iters_BT = map(np.asarray, scores)
       for b, i in enumerate(chunk):
-        n, end = rows[i][2], len(rows[i][0])
+        end = len(rows[i][0])
+        n = min(rows[i][2], end)  # a continuation cut on the left to fit
         at_cont = slice(end - n, end)
         out[i] = Score(
           float(logp_BT[b, at_cont].sum()),
@@ -152,10 +153,12 @@ class Scorer:
     for at in range(0, len(order), self.batch_size):
       chunk = order[at : at + self.batch_size]
       prompts = [(contexts[i] or self.prefix_ids)[-room:] for i in chunk]
+      # a full batch, its length bucketed: few programs to compile
+      slots = max(len(prompts[0]), min(-(-len(prompts[0]) // BUCKET) * BUCKET, room))
       g = generate(
         self.model, prompts, max_new_tokens, num_loops=self.num_loops,
-        temperature=temperature, seed=self.seed, eos_id=self.eos_id, stop=stop,
-        exit=self.exit,
+        temperature=temperature, seed=self.seed, eos_id=self.eos_id,
+        stop=stop, exit=self.exit, pad_to=(self.batch_size, slots),
       )  # fmt: skip
       for b, i in enumerate(chunk):
         new = g.tokens[b]
@@ -195,11 +198,14 @@ def load(
 
   if (hf_dir is None) == (workdir is None):
     raise ConfigError("model_args: give one of hf_dir=DIR or workdir=DIR")
+  rule = scorer_kw.get("exit")
   if hf_dir is not None:
     base = config_lib.base().model
     _, _, cfg, vocab, max_len = hf_load.resolve(
       hf_dir, base, None, num_loops, dtype, weights=False
     )
+    if rule is not None and rule.criterion == "gate" and not cfg.exit_gate:
+      raise ConfigError(f"exit: 'gate' reads an exit gate (Ouro's); {hf_dir} has none")
     tok = prompts.tokenizer_json(hf_dir, vocab)
     _, bos, eos = lm.special_ids(tok, f"{hf_dir}/tokenizer.json")
     template, specials = chat_template(hf_dir)

@@ -174,15 +174,23 @@ class Attention(nnx.Module):
     out_MD = out_BTNH.reshape(B * T, N * H) @ self.wo.reshape(N * H, -1)
     return (out_MD + self.bo[None]).reshape(B, T, -1)
 
-  def cached(self, x_BTD, kv, offset, start_B=None):
+  def cached(self, x_BTD, kv, offset, start_B=None, slot=None):
     """Attention of tokens in slots offset.. over a cache of earlier keys and
-    values (B, S, K, H) each, which it returns with theirs written in;
-    `start_B`: each row's first real slot (the slots before it: left padding,
-    never attended to)."""
+    values, (B, S, K, H) each or, with `slot`, (M, B, S, K, H) each read at
+    `slot`; returns the cache with these tokens' written in (in place where
+    the caller donates it: only their (T, K, H) entries are new). `start_B`:
+    each row's first real slot (the slots before it: left padding, never
+    attended to)."""
     q_BTNH, k_BTKH, v_BTKH = self._qkv(x_BTD, offset, start_B)
-    k_BSKH, v_BSKH = (
-      jax.lax.dynamic_update_slice_in_dim(c, new.astype(c.dtype), offset, 1)
+    lead = () if slot is None else (slot,)
+    kv = tuple(
+      jax.lax.dynamic_update_slice(
+        c, new.astype(c.dtype)[(None,) * len(lead)], (*lead, 0, offset, 0, 0)
+      )
       for c, new in zip(kv, (k_BTKH, v_BTKH), strict=True)
+    )
+    k_BSKH, v_BSKH = (
+      c if slot is None else jax.lax.dynamic_index_in_dim(c, slot, 0, False) for c in kv
     )
     T, S = x_BTD.shape[1], k_BSKH.shape[1]
     seen_TS = jnp.arange(S)[None] <= (offset + jnp.arange(T))[:, None]
@@ -195,7 +203,7 @@ class Attention(nnx.Module):
       v_BSKH.astype(q_BTNH.dtype),
       mask=seen_1TS[:, None],
     )
-    return self._out(out_BTNH), (k_BSKH, v_BSKH)
+    return self._out(out_BTNH), kv
 
   def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S).
@@ -312,10 +320,10 @@ class Block(nnx.Module):
     )
     return (x_BTD, probs) if with_probs else x_BTD
 
-  def cached(self, x_BTD, kv, offset, start_B=None):
+  def cached(self, x_BTD, kv, offset, start_B=None, slot=None):
     """The layer on tokens in slots offset.., attention over a key/value
     cache (Attention.cached): (output, the updated cache)."""
-    return self._apply(x_BTD, lambda y: self.attn.cached(y, kv, offset, start_B))
+    return self._apply(x_BTD, lambda y: self.attn.cached(y, kv, offset, start_B, slot))
 
   def _apply(self, x_BTD, attn):
     """The layer around `attn` (input -> (output, extra)): (output, extra)."""

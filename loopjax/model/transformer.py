@@ -212,8 +212,8 @@ class LoopedTransformer(nnx.Module):
     (Huginn's "compress-s" lookups)."""
     x_BTD, h_BTD, new = self.decode_in(tokens_BT, cache, offset, key, start_B)
 
-    def iteration(h_BTD, kv_per_layer, r):
-      return self.cached_step(h_BTD, x_BTD, kv_per_layer, offset, start_B)
+    def iteration(h_BTD, core_cache, slot):
+      return self.cached_step(h_BTD, x_BTD, core_cache, slot, offset, start_B)
 
     h_BTD, new["core"] = cached_iterations(iteration, h_BTD, cache["core"], num_loops)
     return self.decode_out(h_BTD, cache, offset, start_B, new)
@@ -228,12 +228,13 @@ class LoopedTransformer(nnx.Module):
       new["prelude"].append(kv)
     return x_BTD, self.initial_state(x_BTD, key), new
 
-  def cached_step(self, h_BTD, x_BTD, kv_per_layer, offset, start_B=None):
-    """One iteration over its own caches: (the state it hands on, the caches)."""
+  def cached_step(self, h_BTD, x_BTD, core_cache, slot, offset, start_B=None):
+    """One iteration over the core's caches at `slot`: (the state it hands
+    on, the caches)."""
     h_BTD = self.inject(h_BTD, x_BTD)
     out = []
-    for block, kv in zip(self.core, kv_per_layer, strict=True):
-      h_BTD, kv = block.cached(h_BTD, kv, offset, start_B)
+    for block, kv in zip(self.core, core_cache, strict=True):
+      h_BTD, kv = block.cached(h_BTD, kv, offset, start_B, slot)
       out.append(kv)
     return self.end_iteration(h_BTD), out
 
@@ -316,27 +317,18 @@ class LoopedTransformer(nnx.Module):
 
 
 def cached_iterations(iteration, carry, core_cache: list, num_loops=None):
-  """`carry` through `num_loops` calls of iteration(carry, the core's caches
-  of slot r mod M, r) -> (carry, those caches updated); M: the caches'
-  leading axis, also the default number of iterations. Returns (carry, the
-  caches)."""
+  """`carry` through `num_loops` calls of iteration(carry, the core's caches,
+  slot r mod M) -> (carry, the caches with slot r mod M written); M: the
+  caches' leading axis, also the default number of iterations. The caches
+  ride in the loop's carry, each iteration writing only its new entries.
+  Returns (carry, the caches)."""
   M = core_cache[0][0].shape[0]
-  if num_loops is None or num_loops == M:  # a slot per iteration: scanned over
-    return jax.lax.scan(
-      lambda c, xs: iteration(c, xs[0], xs[1]), carry, (core_cache, jnp.arange(M))
-    )
 
   def step(c, r):
-    carry, cache = c
-    slot = r % M
-    carry, kv = iteration(carry, jax.tree.map(lambda a: a[slot], cache), r)
-    cache = jax.tree.map(
-      lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n, slot, 0), cache, kv
-    )
-    return (carry, cache), None
+    return iteration(*c, r % M), None
 
-  carry_cache, _ = jax.lax.scan(step, (carry, core_cache), jnp.arange(num_loops))
-  return carry_cache
+  out, _ = jax.lax.scan(step, (carry, core_cache), jnp.arange(num_loops or M))
+  return out
 
 
 def _traced(blocks, h_BTD, segments_BT=None):
