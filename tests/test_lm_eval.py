@@ -55,9 +55,16 @@ def tasks(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
-  monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-  monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+  for name, value in offline_env(tmp_path).items():
+    monkeypatch.setenv(name, value)
+
+
+def offline_env(root) -> dict:
+  return {
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_CACHE": str(root / "datasets"),
+  }
 
 
 def evaluate(tasks, names, **model_args):
@@ -74,34 +81,47 @@ def evaluate(tasks, names, **model_args):
   return model, out
 
 
-def test_multiple_choice_loglikelihoods_are_a_direct_forwards(tasks, tmp_path):
+@pytest.fixture(scope="module")
+def at_r4(tasks, tmp_path_factory):
+  """Both tasks at R 4, <bos> added as the model's tokenizer adds it (so the
+  prompt ids are --mode=sample's), each request's recurrences recorded."""
+  root = tmp_path_factory.mktemp("r4")
+  with pytest.MonkeyPatch.context() as mp:
+    for name, value in offline_env(root).items():
+      mp.setenv(name, value)
+    model, out = evaluate(
+      tasks, ["toy_mc", "toy_gen"], num_loops=4, add_bos_token=True,
+      record=str(root / "record.jsonl"),
+    )  # fmt: skip
+  lines = [json.loads(x) for x in (root / "record.jsonl").read_text().splitlines()]
+  return model, out, lines
+
+
+def test_multiple_choice_loglikelihoods_are_a_direct_forwards(at_r4):
   """Each choice's score is the sum of log-softmax of one forward at R over
   question + choice (batched, padded, sorted by length in the harness); the
   record has every request at R."""
-  record = tmp_path / "record.jsonl"
-  model, out = evaluate(tasks, ["toy_mc"], num_loops=3, record=str(record))
-  _, direct = load(FIXTURE, config_lib.base().model, None, 3)
+  model, out, lines = at_r4
+  _, direct = load(FIXTURE, config_lib.base().model, None, 4)
   for s in out["samples"]["toy_mc"]:
     doc = s["doc"]
     for choice, resp in zip(doc["choices"], s["resps"], strict=True):
       got = resp[0][0]  # (log-likelihood, greedy) of the one request
       ctx = model.tok_encode(doc["question"])
       whole = model.tok_encode(doc["question"] + choice)
-      logits = direct.module()(np.asarray([whole[:-1]]), None, num_loops=3)[0]
+      logits = direct.module()(np.asarray([whole[:-1]]), None, num_loops=4)[0]
       logp = np.asarray(jax.nn.log_softmax(logits))
       cont = range(len(ctx), len(whole))
       want = sum(logp[t - 1, whole[t]] for t in cont)
       np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  lines = [json.loads(x) for x in record.read_text().splitlines()]
-  assert len(lines) == sum(len(q["choices"]) for q in QUESTIONS)
-  assert {x["iterations"] for x in lines} == {3.0}
+  scored = [x for x in lines if x["request"] == "loglikelihood"]
+  assert len(scored) == sum(len(q["choices"]) for q in QUESTIONS)
+  assert {x["iterations"] for x in scored} == {4.0}
   assert 0.0 <= out["results"]["toy_mc"]["acc,none"] <= 1.0
 
 
-def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(tasks):
-  """With <bos> added as the model's tokenizer adds it (add_bos_token), the
-  harness's prompt ids are --mode=sample's."""
-  model, out = evaluate(tasks, ["toy_gen"], num_loops=4, add_bos_token=True)
+def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(at_r4):
+  model, out, lines = at_r4
   c = config_lib.base()
   c.model.update(hf_dir=str(FIXTURE), num_loops=4)
   for s in out["samples"]["toy_gen"]:
@@ -112,6 +132,8 @@ def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(tasks):
     continued = whole[len(prompt) :]
     want = continued.split("\n")[0].split("apples")[0]
     assert s["resps"][0][0] == want
+  gen = [x for x in lines if x["request"] == "generate_until"]
+  assert len(gen) == len(QUESTIONS) and all(set(x["iterations"]) == {4} for x in gen)
 
 
 def test_an_exit_rule_records_each_new_tokens_recurrences(tasks, tmp_path):
@@ -152,23 +174,29 @@ def run(*args):
 
 def test_bad_inputs_exit_2_in_one_line(tasks, tmp_path, capsys):
   """Through the harness's command line (in this process): a directory with
-  no tokenizer, an unknown exit rule; through --mode=lm_eval: an unknown task."""
+  no tokenizer; as model arguments: an unknown exit rule, a gate the model
+  lacks, an argument the model does not take; through --mode=lm_eval's
+  runner: an unknown task."""
   no_tok = tmp_path / "no_tok"
   shutil.copytree(FIXTURE, no_tok)
   (no_tok / "tokenizer.json").unlink()
-  for model_args, says in [
-    (f"hf_dir={no_tok}", "no tokenizer.json"),
-    (f"hf_dir={FIXTURE},exit=nope", "not a per-token halting criterion"),
-    (f"hf_dir={FIXTURE.parent / 'huginn'},exit=gate", "has none"),
-    (f"hf_dir={FIXTURE},num_loop=8", "unexpected keyword argument 'num_loop'"),
+  with pytest.raises(SystemExit) as e:
+    harness.main(
+      ["--model", "loopjax", "--model_args", f"hf_dir={no_tok}", "--tasks", "toy_mc",
+       "--include_path", str(tasks)]
+    )  # fmt: skip
+  err = capsys.readouterr().err.strip().splitlines()
+  assert e.value.code == 2 and err[-1].startswith("error: ")
+  assert "no tokenizer.json" in err[-1]
+  for args, says in [
+    (dict(hf_dir=str(FIXTURE), exit="nope"), "not a per-token halting criterion"),
+    (dict(hf_dir=str(FIXTURE.parent / "huginn"), exit="gate"), "has none"),
+    (dict(hf_dir=str(FIXTURE), exit="kl", start="first"), "start: must be one of"),
   ]:
-    with pytest.raises(SystemExit) as e:
-      harness.main(
-        ["--model", "loopjax", "--model_args", model_args, "--tasks", "toy_mc",
-         "--include_path", str(tasks)]
-      )  # fmt: skip
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and err[-1].startswith("error: ") and says in err[-1]
+    with pytest.raises(ConfigError, match=says):
+      harness.LoopjaxLM(**args)
+  with pytest.raises(TypeError, match="unexpected keyword argument 'num_loop'"):
+    harness.LoopjaxLM(hf_dir=str(FIXTURE), num_loop=8)  # main() exits 2 on it
   c = config_lib.base()
   c.model.hf_dir = str(FIXTURE)
   with pytest.raises(ConfigError, match="unknown task 'no_such_task'"):
@@ -185,6 +213,11 @@ def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_pa
     "--output_path", str(tmp_path / "cli"),
   )  # fmt: skip
   assert r.returncode == 0, r.stderr[-3000:]
+  bad = run(
+    "loopjax.lm.harness", "--model", "loopjax", "--include_path", str(tasks),
+    "--model_args", f"hf_dir={FIXTURE},num_loop=2", "--tasks", "toy_mc",
+  )  # fmt: skip
+  assert bad.returncode == 2 and "num_loop" in bad.stderr.strip().splitlines()[-1]
   (results,) = (tmp_path / "cli").rglob("results_*.json")
   assert "acc,none" in json.loads(results.read_text())["results"]["toy_mc"]
   w = tmp_path / "w"
