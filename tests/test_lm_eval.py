@@ -232,3 +232,24 @@ def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_pa
     assert "toy_mc" in json.loads((w / "lm_eval" / f"r{R}.json").read_text())
     used = [json.loads(x) for x in (w / "lm_eval" / f"requests_r{R}.jsonl").open()]
     assert {x["iterations"] for x in used} == {float(R)}
+
+
+@pytest.mark.slow
+def test_a_loopjax_runs_checkpoint_is_scored_as_its_forward(lm_config, tasks, tmp_path):
+  """model_args workdir=RUN: the run's tokenizer and checkpoint; a
+  multiple-choice score is the run's own forward's at the R asked for."""
+  from loopjax import restore, train
+  from loopjax.data import lm
+
+  lm_config.train.num_steps = 10
+  train.train_and_evaluate(lm_config, tmp_path / "run")
+  model = harness.LoopjaxLM(workdir=str(tmp_path / "run"), num_loops=3)
+  tok = (tmp_path / "run" / "tokenizer.json").read_text()
+  task = lm.without_streams(lm_config.data, tok)
+  _, direct, _ = restore.from_checkpoint(lm_config, tmp_path / "run", task=task)
+  (score,) = model.scorer.loglikelihood([([task.bos_id], [5, 6, 7])])
+  logits = direct.module()(np.asarray([[task.bos_id, 5, 6]]), None, num_loops=3)[0]
+  logp = np.asarray(jax.nn.log_softmax(logits))
+  want = logp[0, 5] + logp[1, 6] + logp[2, 7]
+  np.testing.assert_allclose(score.logprob, want, rtol=1e-5)
+  assert score.iterations == 3.0
