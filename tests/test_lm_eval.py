@@ -152,6 +152,26 @@ def test_an_exit_rule_records_each_new_tokens_recurrences(tasks, tmp_path):
   assert scored and all(1.0 <= i <= 4.0 for i in scored)
 
 
+def test_log_likelihoods_at_several_depths_come_from_one_pass():
+  """With depths, each request is scored at every depth in one pass and kept;
+  each depth's score equals a scorer's at that R alone."""
+  from loopjax.lm import scoring
+
+  requests = [([1, 5, 9], [7, 3]), ([2], [4, 4, 8]), ([6, 1, 2, 3, 9], [5])]
+  shared = scoring.load(hf_dir=str(FIXTURE), batch_size=2).scorer
+  shared.depths = (1, 3)
+  for R in (3, 1):
+    shared.num_loops = R
+    alone = scoring.load(hf_dir=str(FIXTURE), num_loops=R, batch_size=2).scorer
+    got, want = shared.loglikelihood(requests), alone.loglikelihood(requests)
+    np.testing.assert_allclose(
+      [s.logprob for s in got], [s.logprob for s in want], rtol=1e-5
+    )
+    assert [s.greedy for s in got] == [s.greedy for s in want]
+    assert {s.iterations for s in got} == {float(R)}
+  assert len(shared._kept) == len(requests)  # the second depth read them
+
+
 def test_the_chat_template_renders_from_tokenizer_config(tmp_path):
   d = tmp_path / "ouro"
   shutil.copytree(FIXTURE, d)

@@ -231,6 +231,7 @@ def run(
     dtype=config.model.dtype, batch_size=batch_size,
   )  # fmt: skip
   Rs = list(recurrences or (model.scorer.num_loops,))
+  model.scorer.depths = tuple(sorted(set(Rs)))  # log-likelihoods: one pass
   table = {}
   for R in Rs:
     model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"

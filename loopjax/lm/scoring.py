@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopjax import config as config_lib
-from loopjax import halting, restore
+from loopjax import halting, recurrence, restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.lm import prompts
@@ -57,6 +57,26 @@ def _exiting(model: Model, tokens_BT, key, *, rule: Exit, num_loops: int):
   )  # fmt: skip
 
 
+@functools.partial(jax.jit, static_argnames=("depths",))
+def _scores_at_depths(model: Model, tokens_BT, targets_BT, key, *, depths: tuple):
+  """`_token_scores` at each of `depths` from one pass to the deepest, the
+  readout applied after every iteration: (D, B, T) each."""
+  m = model.module()
+  x_BTD, h_BTD = m.encode(tokens_BT, key)
+
+  def readout(h_BTD):  # what one iteration's logits score, not the logits
+    logp_BTV = jax.nn.log_softmax(m.readout(h_BTD, None))
+    target_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
+    return target_BT, logp_BTV.argmax(-1) == targets_BT
+
+  _, (logp_RBT, greedy_RBT) = recurrence.unroll(
+    lambda h: m.core_step(h, x_BTD), h_BTD, max(depths), readout=readout
+  )
+  at = jnp.asarray(depths) - 1
+  iters_DBT = jnp.broadcast_to(jnp.asarray(depths)[:, None, None], logp_RBT[at].shape)
+  return logp_RBT[at], greedy_RBT[at], iters_DBT
+
+
 @functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
 def _token_scores(model, tokens_BT, targets_BT, key, *, rule, num_loops):
   """Per position: the target's log-probability, whether it is the argmax,
@@ -80,6 +100,7 @@ class Scorer:
     tokenizer_json: str,
     *,
     num_loops: int,
+    depths: tuple[int, ...] = (),
     max_length: int,
     prefix_ids: list[int],
     eos_id: int | None,
@@ -91,6 +112,9 @@ class Scorer:
     self.tok = lm.tokenizer_from_json(tokenizer_json)
     self.max_length, self.batch_size = max_length, batch_size
     self.prefix_ids, self.eos_id, self.seed = prefix_ids, eos_id, seed
+    # With `depths` (and no exit rule), a log-likelihood is computed at every
+    # depth in one pass and kept: a later call at another of them reads it.
+    self.depths, self._kept = tuple(depths), {}
 
   def encode(self, text: str) -> list[int]:
     return self.tok.encode(text, add_special_tokens=False).ids
@@ -99,15 +123,28 @@ class Scorer:
     return self.tok.decode(list(map(int, ids)))
 
   def loglikelihood(self, requests: list[tuple[list[int], list[int]]]) -> list[Score]:
-    """Each (context ids, continuation ids): the continuation's score. The
-    text is cut on the left to `max_length` + 1 tokens."""
+    """Each (context ids, continuation ids): the continuation's score at
+    `num_loops`. The text is cut on the left to `max_length` + 1 tokens."""
+    shared = self.exit is None and self.num_loops in self.depths
+    if not shared:
+      return self._score(requests, None)[0]
+    keys = [(tuple(c), tuple(x)) for c, x in requests]
+    todo = [i for i, k in enumerate(keys) if k not in self._kept]
+    if todo:
+      at_depths = self._score([requests[i] for i in todo], self.depths)
+      for j, i in enumerate(todo):
+        self._kept[keys[i]] = {d: at_depths[n][j] for n, d in enumerate(self.depths)}
+    return [self._kept[k][self.num_loops] for k in keys]
+
+  def _score(self, requests, depths) -> list[list[Score]]:
+    """Scores at `num_loops` ([one list]) or at each of `depths` (a list each)."""
     rows = []
     for context, continuation in requests:
       if not continuation:
         raise ValueError("loglikelihood: an empty continuation has nothing to score")
       ids = ((context or self.prefix_ids) + continuation)[-(self.max_length + 1) :]
       rows.append((ids[:-1], ids[1:], len(continuation)))
-    out: list[Score | None] = [None] * len(rows)
+    out = [[None] * len(rows) for _ in depths or (None,)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
     key = jax.random.key(self.seed)
     for at in range(0, len(order), self.batch_size):
@@ -118,20 +155,25 @@ class Scorer:
       for b, i in enumerate(chunk):
         inputs, targets, _ = rows[i]
         inputs_BT[b, : len(inputs)], targets_BT[b, : len(targets)] = inputs, targets
-      scores = _token_scores(
-        self.model, jnp.asarray(inputs_BT), jnp.asarray(targets_BT), key,
-        rule=self.exit, num_loops=self.num_loops,
-      )  # fmt: skip
-      logp_BT, greedy_BT, iters_BT = map(np.asarray, scores)
-      for b, i in enumerate(chunk):
-        end = len(rows[i][0])
-        n = min(rows[i][2], end)  # a continuation cut on the left to fit
-        at_cont = slice(end - n, end)
-        out[i] = Score(
-          float(logp_BT[b, at_cont].sum()),
-          bool(greedy_BT[b, at_cont].all()),
-          float(iters_BT[b, at_cont].mean()),
-        )
+      args = (self.model, jnp.asarray(inputs_BT), jnp.asarray(targets_BT), key)
+      if depths:
+        scores = _scores_at_depths(*args, depths=depths)
+      else:
+        scores = [
+          x[None]
+          for x in _token_scores(*args, rule=self.exit, num_loops=self.num_loops)
+        ]
+      logp_DBT, greedy_DBT, iters_DBT = map(np.asarray, scores)
+      for d, kept in enumerate(out):
+        for b, i in enumerate(chunk):
+          end = len(rows[i][0])
+          n = min(rows[i][2], end)  # a continuation cut on the left to fit
+          at_cont = slice(end - n, end)
+          kept[i] = Score(
+            float(logp_DBT[d, b, at_cont].sum()),
+            bool(greedy_DBT[d, b, at_cont].all()),
+            float(iters_DBT[d, b, at_cont].mean()),
+          )
     return out
 
   def generate(
