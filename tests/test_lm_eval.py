@@ -136,6 +136,7 @@ def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(at_r4):
   assert len(gen) == len(QUESTIONS) and all(set(x["iterations"]) == {4} for x in gen)
 
 
+@pytest.mark.slow
 def test_an_exit_rule_records_each_new_tokens_recurrences(tasks, tmp_path):
   """Ouro's gate at 0.5: the recurrences of every generated token are
   recorded, each between 1 and R, and the scores' means likewise."""
