@@ -75,7 +75,7 @@ def evaluate(tasks, names, **model_args):
   out = simple_evaluate(
     model=model,
     tasks=names,
-    task_manager=TaskManager(include_path=str(tasks)),
+    task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
     log_samples=True,
   )
   return model, out
@@ -136,7 +136,6 @@ def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(at_r4):
   assert len(gen) == len(QUESTIONS) and all(set(x["iterations"]) == {4} for x in gen)
 
 
-@pytest.mark.slow
 def test_an_exit_rule_records_each_new_tokens_recurrences(tasks, tmp_path):
   """Ouro's gate at 0.5: the recurrences of every generated token are
   recorded, each between 1 and R, and the scores' means likewise."""
@@ -193,23 +192,15 @@ def run(*args):
   )
 
 
-def test_bad_inputs_exit_2_in_one_line(tasks, tmp_path, capsys):
-  """Through the harness's command line (in this process): a directory with
-  no tokenizer; as model arguments: an unknown exit rule, a gate the model
-  lacks, an argument the model does not take; through --mode=lm_eval's
-  runner: an unknown task."""
+def test_bad_model_arguments_name_the_argument(tmp_path):
+  """A directory with no tokenizer, an unknown exit rule, a gate the model
+  lacks, a bad start: one ConfigError line each, before any weight is read
+  (the command lines' exit 2 on them: the slow test below)."""
   no_tok = tmp_path / "no_tok"
   shutil.copytree(FIXTURE, no_tok)
   (no_tok / "tokenizer.json").unlink()
-  with pytest.raises(SystemExit) as e:
-    harness.main(
-      ["--model", "loopjax", "--model_args", f"hf_dir={no_tok}", "--tasks", "toy_mc",
-       "--include_path", str(tasks)]
-    )  # fmt: skip
-  err = capsys.readouterr().err.strip().splitlines()
-  assert e.value.code == 2 and err[-1].startswith("error: ")
-  assert "no tokenizer.json" in err[-1]
   for args, says in [
+    (dict(hf_dir=str(no_tok)), "no tokenizer.json"),
     (dict(hf_dir=str(FIXTURE), exit="nope"), "not a per-token halting criterion"),
     (dict(hf_dir=str(FIXTURE.parent / "huginn"), exit="gate"), "has none"),
     (dict(hf_dir=str(FIXTURE), exit="kl", start="first"), "start: must be one of"),
@@ -218,16 +209,13 @@ def test_bad_inputs_exit_2_in_one_line(tasks, tmp_path, capsys):
       harness.LoopjaxLM(**args)
   with pytest.raises(TypeError, match="unexpected keyword argument 'num_loop'"):
     harness.LoopjaxLM(hf_dir=str(FIXTURE), num_loop=8)  # main() exits 2 on it
-  c = config_lib.base()
-  c.model.hf_dir = str(FIXTURE)
-  with pytest.raises(ConfigError, match="unknown task 'no_such_task'"):
-    harness.run(c, tmp_path / "w", tasks=["no_such_task"], include_path=str(tasks))
 
 
 @pytest.mark.slow
 def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_path):
   """`--model loopjax` through the harness's own command line, and
-  `--mode=lm_eval` at two recurrences: results, per-R files and the table."""
+  `--mode=lm_eval` at two recurrences: results, per-R files and the table;
+  bad input through both exits 2 in one line."""
   r = run(
     "loopjax.lm.harness", "--model", "loopjax", "--include_path", str(tasks),
     "--model_args", f"hf_dir={FIXTURE},num_loops=2", "--tasks", "toy_mc",
@@ -239,6 +227,21 @@ def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_pa
     "--model_args", f"hf_dir={FIXTURE},num_loop=2", "--tasks", "toy_mc",
   )  # fmt: skip
   assert bad.returncode == 2 and "num_loop" in bad.stderr.strip().splitlines()[-1]
+  no_tok = tmp_path / "no_tok"
+  shutil.copytree(FIXTURE, no_tok)
+  (no_tok / "tokenizer.json").unlink()
+  bad = run(
+    "loopjax.lm.harness", "--model", "loopjax", "--include_path", str(tasks),
+    "--model_args", f"hf_dir={no_tok}", "--tasks", "toy_mc",
+  )  # fmt: skip
+  assert bad.returncode == 2 and "no tokenizer.json" in bad.stderr.splitlines()[-1]
+  bad = run(
+    "loopjax.main", "--mode=lm_eval", f"--workdir={tmp_path / 'w0'}",
+    "--config=experiments/pretrained.py:ouro", f"--config.model.hf_dir={FIXTURE}",
+    "--tasks=no_such_task", f"--include_path={tasks}",
+  )  # fmt: skip
+  assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+  assert "unknown task 'no_such_task'" in bad.stderr
   (results,) = (tmp_path / "cli").rglob("results_*.json")
   assert "acc,none" in json.loads(results.read_text())["results"]["toy_mc"]
   w = tmp_path / "w"
