@@ -65,9 +65,7 @@ def _scores_at_depths(model: Model, tokens_BT, targets_BT, key, *, depths: tuple
   x_BTD, h_BTD = m.encode(tokens_BT, key)
 
   def readout(h_BTD):  # what one iteration's logits score, not the logits
-    logp_BTV = jax.nn.log_softmax(m.readout(h_BTD, None))
-    target_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
-    return target_BT, logp_BTV.argmax(-1) == targets_BT
+    return _targets(jax.nn.log_softmax(m.readout(h_BTD, None)), targets_BT)
 
   _, (logp_RBT, greedy_RBT) = recurrence.unroll(
     lambda h: m.core_step(h, x_BTD), h_BTD, max(depths), readout=readout
@@ -85,8 +83,18 @@ def _token_scores(model, tokens_BT, targets_BT, key, *, rule, num_loops):
     logp_BTV, iters_BT = _fixed(model, tokens_BT, key, num_loops=num_loops)
   else:
     logp_BTV, iters_BT = _exiting(model, tokens_BT, key, rule=rule, num_loops=num_loops)
+  return *_targets(logp_BTV, targets_BT), iters_BT
+
+
+def _targets(logp_BTV, targets_BT):
+  """Each target's log-probability, and whether it is the argmax; (B, T)."""
   target_BT = jnp.take_along_axis(logp_BTV, targets_BT[..., None], -1)[..., 0]
-  return target_BT, logp_BTV.argmax(-1) == targets_BT, iters_BT
+  return target_BT, logp_BTV.argmax(-1) == targets_BT
+
+
+def _bucket(n: int, most: int) -> int:
+  """`n` rounded up to a multiple of BUCKET, at most `most` (and at least n)."""
+  return max(n, min(-(-n // BUCKET) * BUCKET, most))
 
 
 class Scorer:
@@ -149,7 +157,7 @@ class Scorer:
     key = jax.random.key(self.seed)
     for at in range(0, len(order), self.batch_size):
       chunk = order[at : at + self.batch_size]
-      T = min(-(-len(rows[chunk[0]][0]) // BUCKET) * BUCKET, self.max_length)
+      T = _bucket(len(rows[chunk[0]][0]), self.max_length)
       inputs_BT = np.zeros((self.batch_size, T), np.int32)
       targets_BT = np.zeros((self.batch_size, T), np.int32)
       for b, i in enumerate(chunk):
@@ -196,7 +204,7 @@ class Scorer:
       chunk = order[at : at + self.batch_size]
       prompts = [(contexts[i] or self.prefix_ids)[-room:] for i in chunk]
       # a full batch, its length bucketed: few programs to compile
-      slots = max(len(prompts[0]), min(-(-len(prompts[0]) // BUCKET) * BUCKET, room))
+      slots = _bucket(len(prompts[0]), room)
       g = generate(
         self.model, prompts, max_new_tokens, num_loops=self.num_loops,
         temperature=temperature, seed=self.seed, eos_id=self.eos_id,
