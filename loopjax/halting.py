@@ -132,11 +132,8 @@ def adaptive(
     logp_new = answer(h_new)
     running = c.t < r_max  # False for an unrolled iteration past r_max
     t = c.t + running
-    argmax = logp_new.argmax(-1)
-    streak = jnp.where(argmax == c.argmax, c.streak + 1, 0)
     lam = jax.nn.sigmoid(exit_logit(h_new))
-    cdf = c.exit_cdf + lam * (1 - c.exit_cdf)
-    step = Step(logp_new, c.logp_prev, c.entropy, h_new, c.h, streak, cdf, per_token)
+    step = next_step(c, logp_new, h_new, lam, per_token)
     settled = settled_fn(step, limits)
     active = ~c.halted & running
     return Carry(
@@ -145,11 +142,11 @@ def adaptive(
       logp=jnp.where(active[..., None], logp_new, c.logp),
       logp_prev=logp_new,
       entropy=entropy_of(logp_new),
-      argmax=argmax,
-      exit_cdf=cdf,
+      argmax=logp_new.argmax(-1),
+      exit_cdf=step.exit_cdf,
       halted=c.halted | (active & settled & (t >= r_min)),
       iters=jnp.where(active, t, c.iters),
-      streak=streak,
+      streak=step.streak,
     )
 
   def body(c):
@@ -185,6 +182,16 @@ class Step(NamedTuple):
   streak: jax.Array  # (U,) iterations the argmax has not changed
   exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
   per_token: bool  # U = (B, T), not (B,)
+
+
+def next_step(c, logp, h, lam, per_token: bool) -> Step:
+  """What a criterion sees after an iteration whose answer is `logp` and state
+  `h`, given the carry `c` of the one before (its logp_prev, entropy, argmax,
+  streak, exit_cdf and h; any loop's that halts by these criteria) and
+  `lam`, the gate's chance of exiting now (0 without a gate)."""
+  streak = jnp.where(logp.argmax(-1) == c.argmax, c.streak + 1, 0)
+  cdf = c.exit_cdf + lam * (1 - c.exit_cdf)
+  return Step(logp, c.logp_prev, c.entropy, h, c.h, streak, cdf, per_token)
 
 
 class Limits(NamedTuple):

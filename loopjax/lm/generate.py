@@ -186,13 +186,9 @@ def exit_step(
     )
     logits = read(h_new)
     logp = jax.nn.log_softmax(logits)
-    argmax = logp.argmax(-1)
-    streak = jnp.where(argmax == c.argmax, c.streak + 1, 0)
-    cdf = c.exit_cdf
-    if rule.criterion == "gate":
-      lam = jax.nn.sigmoid(m.exit_logit(h_new))
-      cdf = cdf + lam * (1 - cdf)
-    step = halting.Step(logp, c.logp_prev, c.entropy, h_new, c.h, streak, cdf, True)
+    gate = rule.criterion == "gate"  # a model without one has none to read
+    lam = jax.nn.sigmoid(m.exit_logit(h_new)) if gate else 0.0
+    step = halting.next_step(c, logp, h_new, lam, True)
     settled_B = settled_fn(step, limits)[:, 0] & (t >= rule.r_min)
     carry = _Carry(
       t=t,
@@ -200,9 +196,9 @@ def exit_step(
       logits=jnp.where(done_B1[..., None], c.logits, logits),
       logp_prev=logp,
       entropy=halting.entropy_of(logp),
-      argmax=argmax,
-      streak=streak,
-      exit_cdf=cdf,
+      argmax=logp.argmax(-1),
+      streak=step.streak,
+      exit_cdf=step.exit_cdf,
       done=c.done | settled_B,
       iters=jnp.where(c.done, c.iters, t),
       kv=kv,
