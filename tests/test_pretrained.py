@@ -22,10 +22,14 @@ def reference(name):
   return np.load(FIXTURES / name / "reference.npz")
 
 
-@pytest.mark.parametrize("name", ["llama_gqa", "llama_tied", "olmo2"])
+@pytest.mark.parametrize(
+  "name", ["llama_gqa", "llama_tied", "olmo2", "llama_gqa_v5", "olmo2_v5", "llama31_v5"]
+)
 def test_llama_and_olmo2_match_transformers_layer_by_layer(name):
-  """Grouped-query and full attention, untied and tied heads, OLMo 2's norms:
-  every layer's hidden states and the logits equal transformers' (float32)."""
+  """Grouped-query and full attention, untied and tied heads, OLMo 2's norms,
+  Llama 3.1's rescaling, as transformers 4.57 and 5 save them (5: RoPE in
+  rope_parameters): every layer's hidden states and the logits equal that
+  version's transformers (float32)."""
   cfg, model = load(FIXTURES / name, config_lib.base().model)
   ref = reference(name)
   m = model.module()
@@ -250,8 +254,42 @@ LAYER_3_Q = "model.layers.3.self_attn.q_proj.weight"
 BAD = [
   (lambda hf: hf.update(model_type="gpt2"), None, "model_type must be one of llama"),
   (lambda hf: hf.update(model_type="olmo2"), None, "must be ['Olmo2ForCausalLM']"),
-  (lambda hf: hf.update(rope_scaling={"type": "yarn"}), None, "rope_scaling must be"),
+  (
+    lambda hf: hf.update(rope_scaling={"type": "yarn"}),
+    None,
+    "rope_type 'yarn' is not supported (loopjax computes 'default' and 'llama3')",
+  ),
   (lambda hf: hf.update(rope_scaling={"type": "llama3"}), None, "llama3' lacks factor"),
+  (
+    lambda hf: hf.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+    None,
+    "rope_type 'dynamic' is not supported",
+  ),
+  (
+    lambda hf: hf.update(rope_parameters={"rope_type": "bogus"}),
+    None,
+    "rope_type 'bogus' is not one transformers knows",
+  ),
+  (
+    lambda hf: hf.update(rope_parameters={"rope_theta": 1e4}),
+    None,
+    "rope_theta (500000.0) and rope_parameters.rope_theta (10000.0) disagree",
+  ),
+  (
+    lambda hf: hf.update(rope_parameters={"full_attention": {"rope_theta": 5e5}}),
+    None,
+    "rope_parameters.full_attention is not supported",
+  ),
+  (
+    lambda hf: hf.update(partial_rotary_factor=0.5),
+    None,
+    "partial_rotary_factor must be 1.0",
+  ),
+  (
+    lambda hf: hf.update(rope_parameters=[1]),
+    None,
+    "rope_parameters must be an object",
+  ),
   (lambda hf: hf.update(num_hidden_layers=4), None, f"tensor {LAYER_3_Q} is missing"),
   (None, lambda t: t.pop("model.norm.weight"), "tensor model.norm.weight is missing"),
   (None, lambda t: t.update(extra=np.zeros(2, np.float32)), "unexpected tensor extra"),
@@ -384,9 +422,13 @@ BAD_RETROFIT = [
   ("retrofit_olmo", lambda hf: hf.update(initial_state_mode="skip-adapter"), None,
    "initial_state_mode must be one of random, embed-init"),
   ("retrofit_llama", lambda hf: hf.update(rope_scaling={"rope_type": "yarn"}), None,
-   "rope_scaling must be None or of rope_type 'llama3'"),
+   "rope_type 'yarn' is not supported"),
   ("retrofit_llama", lambda hf: hf.update(qk_bias=True), None, "qk_bias must be False"),
-  ("retrofit_llama", lambda hf: hf.pop("rope_theta"), None, "rope_theta is missing"),
+  ("retrofit_llama", lambda hf: hf.pop("rope_theta"), None,
+   "rope_theta is missing, here and in rope_parameters"),
+  ("retrofit_llama",
+   lambda hf: hf.update(rope_parameters=hf["rope_scaling"] | {"factor": 8.0}), None,
+   "rope_parameters.factor (8.0) and rope_scaling.factor (4.0) disagree"),
   ("retrofit_llama", None, (1, 2, 1), "a retrofitted model's prelude, core and coda"),
 ]  # fmt: skip
 
@@ -398,3 +440,66 @@ def test_bad_retrofitted_configs_name_the_field(
   path = _retrofit_copy(tmp_path, name, edit_config)
   with pytest.raises(ConfigError, match=re.escape(message)):
     load(path, config_lib.base().model, split=split)
+
+
+# The remote-code families' config.json as transformers 5 writes it (config_v5.json
+# beside the 4.57 one: rope_parameters, and no rope_scaling), and the oldest
+# shapes of the same fields.
+FORMATS = [
+  ("ouro", "config_v5.json"),
+  ("retrofit_llama", "config_v5.json"),
+  ("retrofit_olmo", "config_v5.json"),
+  ("huginn", None),
+]
+
+
+@pytest.mark.parametrize("name, v5", FORMATS)
+def test_a_config_as_transformers_4_and_5_write_it_is_the_same_model(
+  tmp_path, name, v5
+):
+  """The same weights under either version's config.json: the same model
+  config (RoPE base and rescaling included) and the same logits. Huginn's
+  rope_base may also appear under rope_parameters."""
+  ids = reference(name)["ids"]
+  new = tmp_path / name
+  shutil.copytree(FIXTURES / name, new)
+  hf = json.loads((new / "config.json").read_text())
+  if v5:
+    (new / "config.json").write_text((FIXTURES / name / v5).read_text())
+    assert "rope_parameters" in json.loads((new / "config.json").read_text())
+  else:
+    hf["rope_parameters"] = {"rope_theta": hf["rope_base"], "rope_type": "default"}
+    (new / "config.json").write_text(json.dumps(hf))
+  zeros = {"init_state": "zeros"}
+  cfg4, m4 = load(FIXTURES / name, config_lib.base().model, overrides=zeros)
+  cfg5, m5 = load(new, config_lib.base().model, overrides=zeros)
+  assert cfg5.to_dict() == cfg4.to_dict()
+  np.testing.assert_array_equal(m5.module()(ids, None), m4.module()(ids, None))
+
+
+def test_transformers_5s_rope_parameters_set_the_base_and_the_rescaling():
+  """What 4.x's reader missed: a 5.x Llama's base 5e5 and Llama 3.1's
+  rescaling live only under rope_parameters; a retrofitted Llama saved by 5.x
+  keeps its llama3 rescaling there too."""
+  for name, theta, llama3 in [
+    ("llama_gqa_v5", 5e5, ()),
+    ("llama31_v5", 5e5, (4.0, 1.0, 4.0, 16)),
+    ("olmo2_v5", 5e5, ()),
+  ]:
+    hf = json.loads((FIXTURES / name / "config.json").read_text())
+    assert "rope_theta" not in hf and "rope_scaling" not in hf
+    cfg, _ = load(FIXTURES / name, config_lib.base().model)
+    assert (cfg.rope_theta, tuple(cfg.rope_llama3)) == (theta, llama3)
+
+
+def test_fields_left_out_take_transformers_defaults_for_the_model_type(tmp_path):
+  """No rms_norm_eps: Llama's 1e-6, OLMo 2's 1e-5 (their config classes'); no
+  RoPE base anywhere: 10,000."""
+  for name, eps in (("llama_gqa_v5", 1e-6), ("olmo2_v5", 1e-5)):
+    path = tmp_path / name
+    shutil.copytree(FIXTURES / name, path)
+    hf = json.loads((path / "config.json").read_text())
+    del hf["rms_norm_eps"], hf["rope_parameters"]
+    (path / "config.json").write_text(json.dumps(hf))
+    cfg, _ = load(path, config_lib.base().model)
+    assert (cfg.norm_eps, cfg.rope_theta) == (eps, 10_000.0)

@@ -1,5 +1,6 @@
-"""A Hugging Face model directory read without torch: config.json and the
-tensors of `model.safetensors` or of the shards its index lists.
+"""A Hugging Face model directory read without torch: config.json (as
+transformers 4.x and 5.x write it) and the tensors of `model.safetensors` or
+of the shards its index lists.
 
 Tensors are memory-mapped by the `safetensors` package (numpy, bf16 through
 ml_dtypes) and read one at a time, so loading never holds a float32 copy of
@@ -35,6 +36,71 @@ def check_config(hf: dict, architecture: str, fixed: dict) -> None:
         f"config.json: {field} must be {value!r} (not supported otherwise); "
         f"got {hf[field]!r}"
       )
+
+
+# What a rope_parameters (transformers 5) or rope_scaling (4.x) dict may hold;
+# anything else is a field loopjax would not honour.
+ROPE_KEYS = {"rope_theta", "rope_type", "type", "factor", "low_freq_factor",
+             "high_freq_factor", "original_max_position_embeddings",
+             "partial_rotary_factor"}  # fmt: skip
+# The rope_types transformers' Llama accepts; loopjax computes the first two.
+ROPE_TYPES = ("default", "llama3", "linear", "dynamic", "yarn", "longrope",
+              "proportional")  # fmt: skip
+
+
+def rope(hf: dict, default_theta: float | None, theta_key: str = "rope_theta"):
+  """(RoPE base, the llama3 rescaling dict or None) of config.json `hf`.
+
+  transformers 5 writes `rope_parameters: {rope_theta, rope_type, ...}` and no
+  top-level `rope_theta` or `rope_scaling`; 4.x writes those two (a remote
+  model's config may carry both). Each is read where either version puts it;
+  two places that disagree are an error, as is a key or a rope_type loopjax
+  does not compute. `default_theta`: what transformers takes for this model
+  type when no base is written (None: the base is required)."""
+  params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+  for name, d in (("rope_parameters", params), ("rope_scaling", legacy)):
+    if d is not None and not isinstance(d, dict):
+      raise ConfigError(f"config.json: {name} must be an object; got {d!r}")
+    if unknown := sorted(set(d or {}) - ROPE_KEYS):
+      raise ConfigError(
+        f"config.json: {name}.{unknown[0]} is not supported (per-layer RoPE or a "
+        f"scaling loopjax does not compute); it reads {', '.join(sorted(ROPE_KEYS))}"
+      )
+  merged = dict(legacy or {})
+  for key, value in (params or {}).items():
+    if key in merged and merged[key] != value:
+      raise ConfigError(
+        f"config.json: rope_parameters.{key} ({value!r}) and rope_scaling.{key} "
+        f"({merged[key]!r}) disagree"
+      )
+    merged[key] = value
+  top = hf.get(theta_key)
+  if top is not None and merged.get("rope_theta", top) != top:
+    raise ConfigError(
+      f"config.json: {theta_key} ({top!r}) and rope_parameters."
+      f"rope_theta ({merged['rope_theta']!r}) disagree"
+    )
+  theta = merged.get("rope_theta", default_theta if top is None else top)
+  if theta is None:
+    raise ConfigError(
+      f"config.json: {theta_key} is missing, here and in rope_parameters (the "
+      "RoPE base it needs)"
+    )
+  partial = merged.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  if partial is not None and float(partial) != 1.0:
+    raise ConfigError(
+      "config.json: partial_rotary_factor must be 1.0 (RoPE on part of each "
+      "head is not supported)"
+    )
+  kind = merged.get("rope_type", merged.get("type", "default"))
+  if kind not in ROPE_TYPES[:2]:
+    known = kind in ROPE_TYPES
+    raise ConfigError(
+      f"config.json: rope_type {kind!r} is "
+      + ("not supported" if known else "not one transformers knows")
+      + " (loopjax computes 'default' and 'llama3')"
+    )
+  return float(theta), merged if kind == "llama3" else None
 
 
 class HfDir:

@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from loopjax.errors import ConfigError
-from loopjax.pretrained.hf_dir import check_config
+from loopjax.pretrained.hf_dir import check_config, rope
 
 ARCHITECTURE = "RavenForCausalLM"
 FIXED = {"bias": False, "injection_type": "linear", "tie_embeddings": True,
@@ -52,7 +52,7 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
     norm_eps=float(hf.get("norm_eps", 1e-6)),
     qk_norm=False,
     pos_encoding="rope",
-    rope_theta=float(hf.get("rope_base", 50_000.0)),
+    rope_theta=rope_base(hf),
     rope_pairing="interleaved",
     embed_scale=math.sqrt(D),
     num_prelude=hf["n_layers_in_prelude"],
@@ -70,6 +70,17 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   )
   vocab = hf.get("padded_vocab_size", hf["vocab_size"])
   return cfg, vocab, hf.get("block_size", 4096)
+
+
+def rope_base(hf: dict) -> float:
+  """RoPE's base: rope_base (its config class's default 50,000), or the same
+  value under rope_parameters, which transformers 5 may add; no rescaling."""
+  theta, scaling = rope(hf, 50_000.0, theta_key="rope_base")
+  if scaling is not None:
+    raise ConfigError(
+      "config.json: Huginn's RoPE has no rescaling; got rope_type 'llama3'"
+    )
+  return theta
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:

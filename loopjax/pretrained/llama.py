@@ -15,12 +15,13 @@ The mapping, by name: q/k/v/o projections (out, in) -> wq (D, N, H), wkv (D,
 -> w_in (D, 2, F); down -> w_out (F, D); input / post-attention norms -> norm1
 / norm2; the final norm; lm_head -> unembed, or the embedding where tied.
 Llama's rotary embedding rotates dimension i with i + H/2 (`rope_pairing`
-"half"), so no per-head permutation is needed; Llama 3.1 / 3.2's rope_scaling
-is `rope_llama3`. OLMo 2 differs in two places
-(`LAYOUTS`): each sublayer's output is normalized before it joins the residual
-stream, with no input norm (`norm_position` "res_post": post-attention /
-post-feedforward norms -> norm1 / norm2), and queries and keys are normalized
-across heads before RoPE (`qk_norm`: q_norm / k_norm).
+"half"), so no per-head permutation is needed; Llama 3.1 / 3.2's rescaling
+(rope_scaling in 4.x, rope_parameters in 5.x: `hf_dir.rope`) is `rope_llama3`.
+OLMo 2 differs in two places (`LAYOUTS`): each sublayer's output is normalized
+before it joins the residual stream, with no input norm (`norm_position`
+"res_post": post-attention / post-feedforward norms -> norm1 / norm2), and
+queries and keys are normalized across heads before RoPE (`qk_norm`: q_norm /
+k_norm).
 """
 
 import ml_collections
@@ -28,21 +29,25 @@ import numpy as np
 
 from loopjax.errors import ConfigError
 from loopjax.field_rules import llama3_ok
-from loopjax.pretrained.hf_dir import check_config
+from loopjax.pretrained.hf_dir import check_config, rope
 
-# model_type -> (architecture, norm_position, the two norms' names, qk_norm)
+# model_type -> (architecture, norm_position, the two norms' names, qk_norm,
+# the defaults of transformers' LlamaConfig / Olmo2Config (4.57 and 5.x agree)
+# for fields config.json may leave out)
 LAYOUTS = {
   "llama": (
     "LlamaForCausalLM",
     "pre",
     ("input_layernorm", "post_attention_layernorm"),
     False,
+    dict(rms_norm_eps=1e-6, rope_theta=10_000.0, max_position_embeddings=2048),
   ),
   "olmo2": (
     "Olmo2ForCausalLM",
     "res_post",
     ("post_attention_layernorm", "post_feedforward_layernorm"),
     True,
+    dict(rms_norm_eps=1e-5, rope_theta=10_000.0, max_position_embeddings=2048),
   ),
 }
 # config.json fields loopjax's Llama reads as these values only.
@@ -54,41 +59,40 @@ FIXED = {
 }
 
 
-def rope_llama3(scaling) -> tuple:
-  """`rope_llama3` from config.json's rope_scaling (None: no rescaling)."""
+def rope_llama3(scaling, max_len: int) -> tuple:
+  """`rope_llama3` from a llama3 rescaling dict (`hf_dir.rope`'s; None: no
+  rescaling); its pretraining context defaults to the model's `max_len`, as
+  transformers 5 standardizes it."""
   if scaling is None:
     return ()
-  kind = scaling.get("rope_type", scaling.get("type"))
-  if kind != "llama3":
-    raise ConfigError(
-      f"config.json: rope_scaling must be None or of rope_type 'llama3' (not "
-      f"supported otherwise); got {kind!r}"
-    )
   keys = ("factor", "low_freq_factor", "high_freq_factor")
-  if missing := [
-    k for k in (*keys, "original_max_position_embeddings") if k not in scaling
-  ]:
+  if missing := [k for k in keys if k not in scaling]:
     raise ConfigError(
-      f"config.json: rope_scaling of rope_type 'llama3' lacks {missing[0]}"
+      f"config.json: rope_parameters of rope_type 'llama3' lacks {missing[0]}"
     )
   out = (
     *(float(scaling[k]) for k in keys),
-    int(scaling["original_max_position_embeddings"]),
+    int(scaling.get("original_max_position_embeddings", max_len)),
   )
   if not llama3_ok(out):  # model.rope_llama3's own rule
     raise ConfigError(
-      "config.json: rope_scaling llama3 needs factor >= 1, 0 < low_freq_factor "
-      f"< high_freq_factor and a positive context; got {out}"
+      "config.json: rope_parameters llama3 needs factor >= 1, 0 < "
+      f"low_freq_factor < high_freq_factor and a positive context; got {out}"
     )
   return out
 
 
-def swiglu_rope(hf: dict, D: int, N: int, names: tuple) -> dict:
+def swiglu_rope(
+  hf: dict, D: int, N: int, names: tuple, max_len: int, default_theta=10_000.0
+) -> dict:
   """The `model` fields of a Llama-style block in config.json `hf` (d_model
-  D and N heads under `names`): grouped-query attention, a SwiGLU MLP,
-  RMSNorm, rotate-half RoPE with Llama 3's rescaling where rope_scaling says."""
+  D and N heads under `names`, `max_len` positions): grouped-query attention,
+  a SwiGLU MLP, RMSNorm, rotate-half RoPE (`hf_dir.rope`: its base, or
+  `default_theta` where none is written) with Llama 3's rescaling where its
+  rope_type says."""
+  theta, scaling = rope(hf, default_theta)
   K = hf.get("num_key_value_heads") or N
-  if hf.get("head_dim", D // N) * N != D:
+  if (hf.get("head_dim") or D // N) * N != D:  # 5.x may write null
     raise ConfigError(
       f"config.json: head_dim must be {names[0]} / {names[1]} ({D // N}); "
       f"got {hf['head_dim']}"
@@ -102,22 +106,27 @@ def swiglu_rope(hf: dict, D: int, N: int, names: tuple) -> dict:
     norm_type="rmsnorm",
     pos_encoding="rope",
     rope_pairing="half",
-    rope_llama3=rope_llama3(hf.get("rope_scaling")),
+    rope_theta=theta,
+    rope_llama3=rope_llama3(scaling, max_len),
   )
 
 
-def decoder_config(hf: dict, base, architecture: str, fixed: dict):
+def decoder_config(hf: dict, base, architecture: str, fixed: dict, defaults: dict):
   """(loopjax `model` config, vocab size, max length) of a Llama-style
   decoder's config.json `hf` (Llama, OLMo 2, Ouro): its shapes, RoPE and norms,
-  every layer in the core, applied once, from `base` (a `model` section)."""
+  every layer in the core, applied once, from `base` (a `model` section).
+  `defaults`: the values transformers' config class of this model type takes
+  for fields config.json leaves out (rms_norm_eps, rope_theta,
+  max_position_embeddings)."""
   check_config(hf, architecture, fixed)
   D, N = hf["hidden_size"], hf["num_attention_heads"]
+  max_len = hf.get("max_position_embeddings", defaults["max_position_embeddings"])
+  names = ("hidden_size", "num_attention_heads")
   cfg = ml_collections.ConfigDict(base.to_dict())
   cfg.update(
-    swiglu_rope(hf, D, N, ("hidden_size", "num_attention_heads")),
+    swiglu_rope(hf, D, N, names, max_len, defaults["rope_theta"]),
     qk_norm=False,
-    norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-    rope_theta=float(hf.get("rope_theta", 10_000.0)),
+    norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
     embed_scale=1.0,
     num_prelude=0,
     num_layers=hf["num_hidden_layers"],
@@ -130,14 +139,14 @@ def decoder_config(hf: dict, base, architecture: str, fixed: dict):
     coda_norm=False,
     tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
   )
-  return cfg, hf["vocab_size"], hf.get("max_position_embeddings", 2048)
+  return cfg, hf["vocab_size"], max_len
 
 
 def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   """(loopjax `model` config, vocab size, max length) for config.json `hf`,
   from `base` (a `model` section)."""
-  want, norm_position, _, qk_norm = LAYOUTS[hf["model_type"]]
-  cfg, vocab_size, max_len = decoder_config(hf, base, want, FIXED)
+  want, norm_position, _, qk_norm, defaults = LAYOUTS[hf["model_type"]]
+  cfg, vocab_size, max_len = decoder_config(hf, base, want, FIXED, defaults)
   n = cfg.num_layers
   p, c, k = split or (0, n, 0)
   if p + c + k > n or c < 1 or min(p, k) < 0:

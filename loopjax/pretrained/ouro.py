@@ -18,6 +18,9 @@ from loopjax.pretrained import llama
 
 ARCHITECTURE = "OuroForCausalLM"
 FIXED = llama.FIXED | {"use_sliding_window": False}
+# What Ouro's configuration class (its Hugging Face repositories') takes for
+# fields config.json leaves out.
+DEFAULTS = dict(rms_norm_eps=1e-6, rope_theta=10_000.0, max_position_embeddings=32768)
 NORMS = {
   "norm1": "input_layernorm",
   "norm1_out": "input_layernorm_2",
@@ -37,7 +40,9 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
       f"config.json: layer_types must all be 'full_attention' (sliding-window "
       f"layers are not supported); got {sorted(kinds)}"
     )
-  cfg, vocab_size, max_len = llama.decoder_config(hf, base, ARCHITECTURE, FIXED)
+  cfg, vocab_size, max_len = llama.decoder_config(
+    hf, base, ARCHITECTURE, FIXED, DEFAULTS
+  )
   cfg.update(
     norm_position="sandwich",
     num_loops=num_loops or hf.get("total_ut_steps", 4),

@@ -16,10 +16,11 @@ before RoPE (`qk_norm`). The fused Wqkv stacks q (N heads), then k and v (K
 each) on its output axis; fc, the gate and up halves. RoPE is transformers'
 Llama rotary embedding: rotate-half pairing, base rope_theta (the rope_base
 the converters also write is not read), Llama 3's rescaling where rope_scaling
-is llama3 (`rope_llama3`). The embedding scale, and with it the first state's
-std (a truncated normal), are config.json's init_values as stored: the
-converters keep Huginn's std for its 5280 wide model and set the scale to 1.
-The head is untied unless tie_embeddings says otherwise.
+(5.x: rope_parameters) is llama3 (`rope_llama3`). The embedding scale, and
+with it the first state's std (a truncated normal), are config.json's
+init_values as stored: the converters keep Huginn's std for its 5280 wide
+model and set the scale to 1. The head is untied unless tie_embeddings says
+otherwise.
 """
 
 from functools import partial
@@ -51,9 +52,9 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
       "model.hf_split: a retrofitted model's prelude, core and coda are its own"
     )
   D, N = hf["n_embd"], hf["n_heads"]
-  shape = llama.swiglu_rope(hf, D, N, ("n_embd", "n_heads"))  # checks head_dim
-  if "rope_theta" not in hf:
-    raise ConfigError("config.json: rope_theta is missing (the RoPE base it needs)")
+  max_len = hf.get("max_position_embeddings", hf.get("block_size", 4096))
+  # checks head_dim; the base is required (the converters always write it)
+  shape = llama.swiglu_rope(hf, D, N, ("n_embd", "n_heads"), max_len, None)
   init = hf.get("init_values") or {}
   embed_scale = float(init.get("embed_scale", 1.0))
   std = float(init.get("std", (2 / (5 * D)) ** 0.5)) * embed_scale
@@ -69,7 +70,6 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
     norm_position="res_post" if source == "olmo2" else "pre",
     norm_eps=float(hf.get("norm_eps", 1e-6)),
     qk_norm=source == "olmo2",
-    rope_theta=float(hf["rope_theta"]),
     embed_scale=embed_scale,
     num_prelude=hf["n_layers_in_prelude"],
     num_layers=hf["n_layers_in_recurrent_block"],
@@ -85,7 +85,7 @@ def model_config(hf: dict, base, split=None, num_loops=None, source="llama"):
     tie_embeddings=bool(hf.get("tie_embeddings", True)),
   )
   vocab = hf.get("padded_vocab_size", hf["vocab_size"])
-  return cfg, vocab, hf.get("max_position_embeddings", hf.get("block_size", 4096))
+  return cfg, vocab, max_len
 
 
 def params(hf_dir, cfg, vocab_size: int) -> dict:
@@ -128,7 +128,8 @@ def family(hf_dir):
   (q / k norms) or Llama; from config.json alone, Huginn or Llama."""
   names = hf_dir.files
   if not names:  # config.json alone (a shape for `aot`): retrofitting sets RoPE's
-    return LLAMA if "rope_theta" in hf_dir.config else huginn  # base as rope_theta
+    rope = {"rope_theta", "rope_parameters"}  # base as rope_theta (5.x: nested)
+    return LLAMA if rope & set(hf_dir.config) else huginn
   if any(n.endswith(".norm_4.weight") for n in names):
     return huginn
   return OLMO2 if any(n.endswith(".attn.q_norm.weight") for n in names) else LLAMA
