@@ -47,13 +47,18 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_float("poll_s", 2.0, "--follow: seconds between looks for checkpoints.")
 flags.DEFINE_string("prompt", "", "--mode=sample: the text to continue.")
-flags.DEFINE_integer("max_new_tokens", 128, "--mode=sample: tokens to generate.")
+flags.DEFINE_integer(
+  "max_new_tokens", 128, "--mode=sample: tokens to generate.", lower_bound=1
+)
 flags.DEFINE_float("temperature", 0.8, "--mode=sample: 0 is greedy.")
 flags.DEFINE_integer(
   "top_k", 40, "--mode=sample: sample among the k likeliest (0: all)."
 )
 flags.DEFINE_integer(
-  "num_loops", None, "--mode=sample: recurrences (default: the trained R)."
+  "num_loops",
+  None,
+  "--mode=sample: recurrences (default: the trained R).",
+  lower_bound=1,
 )
 flags.DEFINE_integer("sample_seed", 0, "--mode=sample: the sampling key's seed.")
 flags.DEFINE_list("tasks", [], "--mode=lm_eval: lm-evaluation-harness task names.")
@@ -70,7 +75,9 @@ flags.DEFINE_string(
   "exit", None, "--mode=lm_eval: a per-token exit rule (a halting criterion)."
 )
 flags.DEFINE_float("exit_threshold", None, "--mode=lm_eval: the exit rule's limit.")
-flags.DEFINE_integer("batch_size", 8, "--mode=lm_eval: requests per batch.")
+flags.DEFINE_integer(
+  "batch_size", 8, "--mode=lm_eval: requests per batch.", lower_bound=1
+)
 flags.DEFINE_bool(
   "distributed",
   False,
@@ -140,7 +147,12 @@ def _lm_eval(config, workdir):
   try:
     recurrences = tuple(int(r) for r in FLAGS.recurrences)
   except ValueError:
-    raise ConfigError("--recurrences: a comma-separated list of integers") from None
+    recurrences = (0,)
+  if any(r < 1 for r in recurrences):
+    raise ConfigError(
+      f"--recurrences: a comma-separated list of integers >= 1; got "
+      f"{','.join(FLAGS.recurrences)}"
+    )
   harness.run(
     config, workdir, tasks=FLAGS.tasks, recurrences=recurrences, exit=FLAGS.exit,
     threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,

@@ -16,7 +16,7 @@ from experiments import lm as lm_experiment
 from loopjax import loss, sharding
 from loopjax.errors import ConfigError
 from loopjax.model import attention_kernels
-from loopjax.state import build_model
+from loopjax.state import build_model, cast
 
 B, T, N, K, H = 2, 200, 4, 2, 16
 FUSED = ("splash", "triton")
@@ -124,7 +124,9 @@ def test_fused_kernels_run_per_device_under_a_mesh():
 
 def lm_loss_and_grads(kernel: str, dtype: str):
   """A tiny looped LM's loss on a batch of packed documents, and its
-  gradient, with attention by `kernel`."""
+  gradient, with attention by `kernel`, computed in `dtype` from float32
+  params as training computes it (`state.cast`): bfloat16 runs its matmuls and
+  attention in bfloat16 (asserted on the traced program)."""
   c = lm_experiment.get_config("tiny").model
   c.update(d_model=32, num_heads=4, num_kv_heads=2, dtype=dtype, attention=kernel)
   model = build_model(c, 64, T, seed=0)
@@ -139,10 +141,15 @@ def lm_loss_and_grads(kernel: str, dtype: str):
   graphdef, params = nnx.split(model, nnx.Param)
 
   def f(params):
-    m = nnx.merge(graphdef, params)
+    m = nnx.merge(graphdef, cast(params, dtype))
     return loss.lm_loss_fn(m, batch, train_cfg, key=None, num_loops=2)[0]
 
-  assert ("pallas_call" in str(jax.make_jaxpr(f)(params))) == (kernel in FUSED)
+  program = str(jax.make_jaxpr(f)(params))
+  assert ("pallas_call" in program) == (kernel in FUSED)
+  bf16_matmuls = [
+    x for x in program.splitlines() if "dot_general" in x and "bf16[" in x
+  ]
+  assert bool(bf16_matmuls) == (dtype == "bfloat16"), kernel
   value, grads = jax.jit(jax.value_and_grad(f))(params)
   return float(value), jax.tree.leaves(grads)
 

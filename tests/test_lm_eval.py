@@ -3,6 +3,7 @@ format (YAML over a JSONL file written here), one multiple-choice and one
 generation task, on the tiny Ouro checkpoint of tests/fixtures/hf."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def tasks(tmp_path_factory):
   (root / "toy_gen.yaml").write_text(
     f"task: toy_gen\n{source}test_split: test\noutput_type: generate_until\n"
     "doc_to_text: '{{question}}'\ndoc_to_target: ' two'\n"
-    "generation_kwargs:\n  until: ['\\n', 'apples']\n  max_gen_toks: 6\n"
+    "generation_kwargs:\n  until: [\"\\n\", 'apples']\n  max_gen_toks: 6\n"
     "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
   )
   return root
@@ -67,11 +68,11 @@ def offline_env(root) -> dict:
   }
 
 
-def evaluate(tasks, names, **model_args):
+def evaluate(tasks, names, model_dir=FIXTURE, **model_args):
   from lm_eval import simple_evaluate
   from lm_eval.tasks import TaskManager
 
-  model = harness.LoopjaxLM(hf_dir=str(FIXTURE), batch_size=2, **model_args)
+  model = harness.LoopjaxLM(hf_dir=str(model_dir), batch_size=2, **model_args)
   out = simple_evaluate(
     model=model,
     tasks=names,
@@ -81,16 +82,40 @@ def evaluate(tasks, names, **model_args):
   return model, out
 
 
+def greedy(model_dir, question: str) -> str:
+  """--mode=sample's greedy text at R 4: the prompt, then 6 new tokens."""
+  c = config_lib.base()
+  c.model.update(hf_dir=str(model_dir), num_loops=4)
+  return sample.sample(c, None, question, max_new_tokens=6, temperature=0.0)
+
+
 @pytest.fixture(scope="module")
-def at_r4(tasks, tmp_path_factory):
-  """Both tasks at R 4, <bos> added as the model's tokenizer adds it (so the
-  prompt ids are --mode=sample's), each request's recurrences recorded."""
+def newline_model(tmp_path_factory):
+  """The tiny Ouro checkpoint with a tokenizer that decodes a word its greedy
+  continuation of the first question makes as a newline, so that the stop
+  string "\n" has something to stop at."""
+  asked = {w for q in QUESTIONS for w in q["question"].split()}
+  made = greedy(FIXTURE, QUESTIONS[0]["question"]).split()[1 + 3 :]  # <s> q
+  word = next(w for w in made if w not in asked)
+  out = tmp_path_factory.mktemp("nl") / "ouro"
+  shutil.copytree(FIXTURE, out)
+  tok = json.loads((out / "tokenizer.json").read_text())
+  tok["model"]["vocab"]["\n"] = tok["model"]["vocab"].pop(word)
+  (out / "tokenizer.json").write_text(json.dumps(tok))
+  return out
+
+
+@pytest.fixture(scope="module")
+def at_r4(tasks, newline_model, tmp_path_factory):
+  """Both tasks at R 4 with the harness's defaults (add_bos_token unset: the
+  tokenizer adds <s>, so the prompt ids are --mode=sample's), each request's
+  recurrences recorded."""
   root = tmp_path_factory.mktemp("r4")
   with pytest.MonkeyPatch.context() as mp:
     for name, value in offline_env(root).items():
       mp.setenv(name, value)
     model, out = evaluate(
-      tasks, ["toy_mc", "toy_gen"], num_loops=4, add_bos_token=True,
+      tasks, ["toy_mc", "toy_gen"], newline_model, num_loops=4,
       record=str(root / "record.jsonl"),
     )  # fmt: skip
   lines = [json.loads(x) for x in (root / "record.jsonl").read_text().splitlines()]
@@ -103,6 +128,7 @@ def test_multiple_choice_loglikelihoods_are_a_direct_forwards(at_r4):
   record has every request at R."""
   model, out, lines = at_r4
   _, direct = load(FIXTURE, config_lib.base().model, None, 4)
+  assert model.tok_encode("how many")[0] == model.scorer.prefix_ids[0]  # <s>
   for s in out["samples"]["toy_mc"]:
     doc = s["doc"]
     for choice, resp in zip(doc["choices"], s["resps"], strict=True):
@@ -120,18 +146,23 @@ def test_multiple_choice_loglikelihoods_are_a_direct_forwards(at_r4):
   assert 0.0 <= out["results"]["toy_mc"]["acc,none"] <= 1.0
 
 
-def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(at_r4):
+def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(
+  at_r4, newline_model
+):
+  """Each text is --mode=sample's continuation cut before the first stop
+  string; the first question's runs into a real newline (YAML's "\\n")."""
   model, out, lines = at_r4
-  c = config_lib.base()
-  c.model.update(hf_dir=str(FIXTURE), num_loops=4)
+  cut = []
   for s in out["samples"]["toy_gen"]:
     q = s["doc"]["question"]
-    whole = sample.sample(c, None, q, max_new_tokens=6, temperature=0.0)
+    whole = greedy(newline_model, q)
     # --mode=sample's text starts with the prompt's and runs on to 6 tokens
     prompt = model.scorer.decode(model.tok_encode(q))
     continued = whole[len(prompt) :]
     want = continued.split("\n")[0].split("apples")[0]
     assert s["resps"][0][0] == want
+    cut.append(want != continued.split("apples")[0])
+  assert cut[0], "the newline stop was never reached"
   gen = [x for x in lines if x["request"] == "generate_until"]
   assert len(gen) == len(QUESTIONS) and all(set(x["iterations"]) == {4} for x in gen)
 
@@ -209,6 +240,42 @@ def test_bad_model_arguments_name_the_argument(tmp_path):
       harness.LoopjaxLM(**args)
   with pytest.raises(TypeError, match="unexpected keyword argument 'num_loop'"):
     harness.LoopjaxLM(hf_dir=str(FIXTURE), num_loop=8)  # main() exits 2 on it
+
+
+@pytest.mark.parametrize(
+  "args, says",
+  [
+    (dict(num_loops=0), "num_loops must be an integer >= 1; got 0"),
+    (dict(num_loops=-1), "num_loops must be an integer >= 1; got -1"),
+    (dict(num_loops="abc"), "num_loops must be an integer >= 1; got 'abc'"),
+    (dict(num_loops=2.5), "num_loops must be an integer >= 1; got 2.5"),
+    (dict(dtype="float16x"), "dtype must be one of float32, bfloat16; got 'float16x'"),
+    (dict(batch_size=0), "batch_size must be an integer >= 1"),
+    (dict(max_gen_toks=-3), "max_gen_toks must be an integer >= 1"),
+    (dict(add_bos_token="yes"), "add_bos_token must be True or False"),
+    (dict(threshold="high", exit="kl"), "threshold must be a number"),
+    (dict(hf_dir=str(FIXTURE)), "give pretrained= or hf_dir= (the same), not both"),
+  ],
+)
+def test_numbers_dtypes_and_flags_are_checked_before_a_weight_is_read(
+  args, says, monkeypatch
+):
+  """Each bad model argument is one ConfigError line; the checkpoint is never
+  opened (loading raises if reached)."""
+  from loopjax.lm import scoring
+
+  monkeypatch.setattr(scoring, "load", lambda **kw: pytest.fail("loaded"))
+  with pytest.raises(ConfigError, match=re.escape(says)):
+    harness.LoopjaxLM(**{"pretrained": str(FIXTURE)} | args)
+
+
+def test_model_args_batch_size_wins_over_the_harness_flag():
+  """docs/pretrained.md's `batch_size` in --model_args: the harness passes
+  its own --batch_size too; the model argument is used, not a TypeError."""
+  model = harness.LoopjaxLM.create_from_arg_string(
+    f"pretrained={FIXTURE},batch_size=3", {"batch_size": 1, "device": None}
+  )
+  assert model.scorer.batch_size == 3
 
 
 @pytest.mark.slow

@@ -8,14 +8,19 @@ chosen number of recurrences and exit rule (the `loopjax[lm_eval]` extra).
 
 is the harness's own command line (any of its flags) with the model
 registered: the harness finds third-party models only when their module is
-imported. Model arguments: hf_dir or workdir (with step), num_loops,
-exit (a halting criterion) and threshold, r_min, start, dtype, max_length,
-max_gen_toks, add_bos_token, seed, record (a JSONL file that gets each
-request's recurrences). `--mode=lm_eval` of `loopjax.main` runs it for a list
-of recurrences into a workdir.
+imported. Model arguments: pretrained (or hf_dir) or workdir (with step),
+num_loops, exit (a halting criterion) and threshold, r_min, start, dtype,
+max_length, max_gen_toks, add_bos_token, batch_size, seed, record (a JSONL
+file that gets each request's recurrences); each is checked before a weight
+is read. Where the choice is the harness's, the defaults are its `hf`
+model's: `pretrained=` names the results folder, and add_bos_token unset
+encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
+<s>). `--mode=lm_eval` of `loopjax.main` runs it for a list of recurrences
+into a workdir.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,8 +31,45 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from loopjax.errors import ConfigError, exit_with
+from loopjax.field_rules import ENUMS
 from loopjax.lm import scoring
 from loopjax.lm.generate import Exit
+
+
+def _count(name: str, value, least: int = 1):
+  """`value` as an integer >= `least` (None stays None), else one line."""
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    raise ConfigError(
+      f"model_args: {name} must be an integer >= {least}; got {value!r}"
+    )
+  return value
+
+
+def _checked(args: dict) -> dict:
+  """The model arguments that take a number, a dtype or a flag, checked (the
+  harness parses `k=v` into int, float and bool where it can; what is left a
+  string was not one)."""
+  least = {"num_loops": 1, "batch_size": 1, "max_length": 2, "max_gen_toks": 1,
+           "r_min": 1, "step": 0, "seed": 0}  # fmt: skip
+  for name, n in least.items():
+    _count(name, args[name], n)
+  if args["dtype"] not in ENUMS["model.dtype"]:
+    raise ConfigError(
+      f"model_args: dtype must be one of {', '.join(ENUMS['model.dtype'])}; "
+      f"got {args['dtype']!r}"
+    )
+  if args["add_bos_token"] not in (None, True, False):
+    raise ConfigError(
+      f"model_args: add_bos_token must be True or False; got {args['add_bos_token']!r}"
+    )
+  t = args["threshold"]
+  if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
+    raise ConfigError(f"model_args: threshold must be a number; got {t!r}")
+  if args["pretrained"] is not None and args["hf_dir"] is not None:
+    raise ConfigError("model_args: give pretrained= or hf_dir= (the same), not both")
+  return args
 
 
 @register_model("loopjax")
@@ -36,6 +78,7 @@ class LoopjaxLM(TemplateLM):
 
   def __init__(
     self,
+    pretrained: str | None = None,
     hf_dir: str | None = None,
     workdir: str | None = None,
     step: int | None = None,
@@ -48,23 +91,25 @@ class LoopjaxLM(TemplateLM):
     dtype: str = "float32",
     max_length: int | None = None,
     max_gen_toks: int = 256,
-    add_bos_token: bool = False,
+    add_bos_token: bool | None = None,
     seed: int = 0,
     record: str | None = None,
     max_batch_size: int | None = None,  # the harness's, for batch_size=auto
     device: str | None = None,  # the harness's; JAX places the model
   ):
     super().__init__()
-    rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
     if str(batch_size).startswith("auto"):
       batch_size = 8  # no memory probe: the harness's "auto" gets the default
+    _checked(locals())
+    rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
     loaded = scoring.load(
-      hf_dir=hf_dir, workdir=workdir, step=step, num_loops=num_loops,
+      hf_dir=pretrained or hf_dir, workdir=workdir, step=step, num_loops=num_loops,
       dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
       seed=seed,
     )  # fmt: skip
     self.scorer, self.name = loaded.scorer, loaded.name
     self.max_gen_toks, self.add_bos_token = max_gen_toks, add_bos_token
+    self.bos_text = self.scorer.decode(self.scorer.prefix_ids) or None
     self.template, self.specials = loaded.chat_template, loaded.specials
     if self.template is not None:
       self.apply_chat_template([{"role": "user", "content": "2 + 2?"}])  # renders?
@@ -84,10 +129,27 @@ class LoopjaxLM(TemplateLM):
   def tokenizer_name(self) -> str:
     return self.name.rstrip("/").replace("/", "__")
 
+  @classmethod
+  def create_from_arg_string(cls, arg_string: str, additional_config=None):
+    """The harness's constructor from `--model_args`; an argument given there
+    (batch_size) wins over the one the harness's own flags always pass."""
+    args = utils.simple_parse_args_string(arg_string)
+    extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+    return cls(**(extra | args))
+
   def tok_encode(self, string: str, add_special_tokens=None, **kw) -> list[int]:
-    """`string`'s ids, after <bos> where asked (None: `add_bos_token`)."""
-    ids = self.scorer.encode(string)
+    """`string`'s ids: after <bos> where asked (None: `add_bos_token`), and
+    where neither says, as the tokenizer's post-processor makes them (the
+    `hf` model's rule, including no second <bos> before a text that starts
+    with one)."""
     bos = self.add_bos_token if add_special_tokens is None else add_special_tokens
+    if (
+      add_special_tokens is None and self.bos_text and string.startswith(self.bos_text)
+    ):
+      bos = False
+    if bos is None:
+      return self.scorer.encode(string, special=True)
+    ids = self.scorer.encode(string)
     return self.scorer.prefix_ids + ids if bos else ids
 
   def tok_decode(self, ids, **kw) -> str:
@@ -264,7 +326,12 @@ def main(argv=None):
   arguments exit 2 with one line."""
   from lm_eval.__main__ import cli_evaluate
 
-  sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+  args = sys.argv[1:] if argv is None else argv
+  # hf_dir= is pretrained= (the name the harness's results folder is made from)
+  sys.argv = [
+    sys.argv[0],
+    *(re.sub(r"(^|[,=])hf_dir=", r"\1pretrained=", a) for a in args),
+  ]
   try:
     cli_evaluate()
   except ConfigError as e:

@@ -124,8 +124,9 @@ class Scorer:
     # depth in one pass and kept: a later call at another of them reads it.
     self.depths, self._kept = tuple(depths), {}
 
-  def encode(self, text: str) -> list[int]:
-    return self.tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, special: bool = False) -> list[int]:
+    """`text`'s ids; `special`: with what the tokenizer's post-processor adds."""
+    return self.tok.encode(text, add_special_tokens=special).ids
 
   def decode(self, ids) -> str:
     return self.tok.decode(list(map(int, ids)))
