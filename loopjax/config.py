@@ -128,6 +128,14 @@ def base() -> ml_collections.ConfigDict:
     grad_clip=1.0,
     label_smoothing=0.0,
     z_loss=0.0,  # lm: z * logsumexp(logits)^2 per token
+    # Grokking accelerators (grad_filters.py): Grokfast's low-pass filter of
+    # the gradient added back (kind "ema": decay alpha; "ma": the mean of the
+    # last `window`; times lamb), perp-Grad (the gradient's component along
+    # each weight removed), and StableMax in place of softmax in the answer's
+    # cross-entropy (xent "stablemax", loss.py).
+    grokfast=dict(kind="none", alpha=0.98, lamb=2.0, window=100),
+    perp_grad=False,
+    xent="softmax",
     supervise="last",  # iterations with a loss (train.supervised)
     # Iterations per batch: "fixed" = model.num_loops; else sampled per batch,
     # clipped to [min, max] (recurrence.sample_depth); evals use model.num_loops.

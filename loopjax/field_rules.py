@@ -24,6 +24,8 @@ ENUMS = {
   "train.supervise": ("last", "from_hops", "atomic_every"),
   "train.decay": ("matrices", "all"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
+  "train.grokfast.kind": ("none", "ema", "ma"),
+  "train.xent": ("softmax", "stablemax"),
   "analyze.halting.start": HALTING_START,
 }
 # Tuple fields whose every name must be one the owning module knows.
@@ -62,6 +64,7 @@ BOUNDS = {
       "model.num_loops",
       "train.batch_size",
       "train.num_steps",
+      "train.grokfast.window",
       "eval.batch_size",
       "checkpoint.every",
       "checkpoint.keep",
@@ -90,7 +93,11 @@ BOUNDS = {
     _AT_LEAST_0,
   ),
   **dict.fromkeys(("data.ood_ratio", "data.p_test_id"), _UNIT),
-  **dict.fromkeys(("train.b1", "train.b2", "train.label_smoothing"), _HALF_OPEN_UNIT),
+  **dict.fromkeys(
+    ("train.b1", "train.b2", "train.label_smoothing", "train.grokfast.alpha"),
+    _HALF_OPEN_UNIT,
+  ),
+  "train.grokfast.lamb": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "data.phi": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
   "train.lr": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "train.weight_decay": (lambda v: v >= 0, "must be >= 0 (0 disables)"),

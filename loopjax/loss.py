@@ -1,6 +1,7 @@
 """Training losses. The knowledge-graph tasks: cross-entropy on the answer
-token, after the iterations `train.supervise` names. A language model:
-next-token cross-entropy over every real target (`lm_loss_fn`)."""
+token (softmax's or StableMax's, `train.xent`), after the iterations
+`train.supervise` names. A language model: next-token cross-entropy over
+every real target (`lm_loss_fn`)."""
 
 import functools
 
@@ -32,16 +33,29 @@ def supervised(mode: str, R: int, hops_B, depth=None):
   return on_RB & (t_R1 <= last)
 
 
-def answer_xent(logits_NV, target_N, label_smoothing: float):
-  """Per-example cross-entropy on the answer token; any leading shape N."""
+def log_stablemax(logits_NV):
+  """log of StableMax (Prieto et al. 2025): s(x) = x + 1 for x >= 0 and
+  1 / (1 - x) below, normalized. It grows linearly, so a correct answer's
+  loss cannot be driven to float32's floor by scaling the logits (softmax
+  collapse); computed in float32."""
+  x = logits_NV.astype(jnp.float32)
+  s = jnp.where(x >= 0, x + 1, 1 / (1 - jnp.minimum(x, 0)))
+  return jnp.log(s) - jnp.log(s.sum(-1, keepdims=True))
+
+
+def answer_xent(logits_NV, target_N, label_smoothing: float, xent: str = "softmax"):
+  """Per-example cross-entropy on the answer token; any leading shape N;
+  `xent`: the normalization, "softmax" or "stablemax"."""
   V = logits_NV.shape[-1]
   labels_NV = optax.smooth_labels(jax.nn.one_hot(target_N, V), label_smoothing)
+  if xent == "stablemax":
+    return -(labels_NV * log_stablemax(logits_NV)).sum(-1)
   return optax.softmax_cross_entropy(logits_NV, labels_NV)
 
 
-def answer_loss(logits_BV, target_B, label_smoothing: float):
+def answer_loss(logits_BV, target_B, label_smoothing: float, xent: str = "softmax"):
   """Mean cross-entropy on the answer token (with label smoothing), accuracy."""
-  loss_B = answer_xent(logits_BV, target_B, label_smoothing)
+  loss_B = answer_xent(logits_BV, target_B, label_smoothing, xent)
   return loss_B.mean(), (logits_BV.argmax(-1) == target_B).mean()
 
 
@@ -57,13 +71,13 @@ def loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
     grad_depth=train_cfg.backprop_depth,
     **kw,
   )
-  ls = train_cfg.label_smoothing
+  ls, xent = train_cfg.label_smoothing, train_cfg.xent
   if train_cfg.supervise == "last":
-    return answer_loss(run(), batch["target"], ls)
+    return answer_loss(run(), batch["target"], ls, xent)
   logits_BV, logits_RBV = run(per_iteration=True)
   # The answer sits after h r1..rk at position k: k hops.
   on_RB = supervised(train_cfg.supervise, num_loops, batch["answer_pos"], depth)
-  loss_RB = answer_xent(logits_RBV, batch["target"][None], ls)
+  loss_RB = answer_xent(logits_RBV, batch["target"][None], ls, xent)
   loss = (loss_RB * on_RB).sum() / on_RB.sum()
   return loss, (logits_BV.argmax(-1) == batch["target"]).mean()
 

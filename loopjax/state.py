@@ -9,7 +9,7 @@ import ml_collections
 import optax
 from flax import nnx
 
-from loopjax import sharding
+from loopjax import grad_filters, sharding
 from loopjax.model import LoopedTransformer
 
 
@@ -19,8 +19,10 @@ def build_model(model_cfg, vocab_size: int, max_len: int, seed: int):
 
 
 def make_optimizer(tc) -> optax.GradientTransformation:
-  """AdamW with linear warmup, then constant or cosine decay to 0; with a hop
-  curriculum, its updates times a scale each stage sets (`curriculum.enter`)."""
+  """AdamW with linear warmup, then constant or cosine decay to 0, after the
+  grokking accelerators `tc` asks for (`grad_filters`) and clipping; with a
+  hop curriculum, its updates times a scale each stage sets
+  (`curriculum.enter`, which reads it as the chain's last state)."""
   decay_steps = max(tc.num_steps - tc.warmup_steps, 1)
   after = (
     optax.constant_schedule(tc.lr)
@@ -39,11 +41,9 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   adamw = optax.adamw(
     lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay, mask=decay_mask
   )
-  tx = (
-    optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
-    if tc.grad_clip > 0
-    else adamw
-  )
+  clip = [optax.clip_by_global_norm(tc.grad_clip)] if tc.grad_clip > 0 else []
+  parts = [*grad_filters.make(tc), *clip, adamw]
+  tx = optax.chain(*parts) if len(parts) > 1 else adamw
   if tc.curriculum.enabled:
     tx = optax.chain(tx, optax.inject_hyperparams(optax.scale)(step_size=1.0))
   return tx

@@ -119,6 +119,11 @@ def lm(c) -> None:
     )
   if not (0 <= c.train.z_loss < 1):
     raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
+  if c.train.xent != "softmax":
+    raise ConfigError(
+      "train.xent: must be 'softmax' for data.task 'lm' (StableMax is the "
+      f"answer loss of the knowledge-graph tasks); got {c.train.xent!r}"
+    )
   _no_curriculum(c)
 
 
