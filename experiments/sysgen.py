@@ -113,13 +113,27 @@ def get_config(variant: str = "cpu"):
   return c
 
 
+# The grokking accelerators (loopjax/grad_filters.py, loss.py) at their papers'
+# defaults: Grokfast EMA alpha 0.98, lamb 2; MA window 100, lamb 5.
+ACCELERATORS = [
+  {},
+  {"train.grokfast.kind": "ema"},
+  {"train.grokfast.kind": "ma", "train.grokfast.lamb": 5.0},
+  {"train.perp_grad": True},
+  {"train.xent": "stablemax"},
+]
+
+
 def sweep(name: str = "loops"):
   """`loops`: vanilla (R = 1) vs looped (R = 2, 4), the same block, data and
   optimizer. `seeds`: the default model on three more knowledge graphs (the
-  default graph is data.seed 0)."""
+  default graph is data.seed 0). `accelerators`: each grokking accelerator
+  against none, three model seeds each (docs/results/grokking_speed.md; run
+  with launch/sweep.py --until=ood)."""
   sweeps = {
     "loops": [{"model.num_loops": r} for r in (1, 2, 4)],
     "seeds": [{"data.seed": s} for s in (1, 2, 3)],
+    "accelerators": [a | {"seed": s} for s in (0, 1, 2) for a in ACCELERATORS],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

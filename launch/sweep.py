@@ -1,7 +1,8 @@
 """Runs an experiment's sweep locally: one workdir per point, named by its overrides.
 
   python launch/sweep.py --config=experiments/sysgen.py[:variant] --root=runs/sweep \
-      [--sweep=NAME] [--parallel=2] [--analyze] [--dry-run] [-- extra main flags]
+      [--sweep=NAME] [--parallel=2] [--analyze] [--until=PHASE] [--dry-run] \
+      [-- extra main flags]
   python launch/sweep.py ... --target=slurm --launcher_args='--nodes=2 --per=node'
   python launch/sweep.py ... --target=tpu --launcher_args='--name=NAME --zone=ZONE'
 
@@ -16,11 +17,15 @@ finished runs, since each run resumes from its own workdir. `--target=slurm`
 submits one job per point (launch/slurm.py, job name = run name);
 `--target=tpu` runs the points one after another on a TPU slice
 (launch/tpu.py; the checkout is installed once). `--launcher_args` holds that
-launcher's flags.
+launcher's flags. `--until=PHASE` (a name of `config.phases`, e.g. ood)
+stops each run once its phases.json records that phase (SIGTERM: the run
+saves and exits as when preempted) and skips runs that have it: time to
+grok, measured without training on past it.
 """
 
 import argparse
 import importlib.util
+import json
 import os
 import shlex
 import subprocess
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
   p.add_argument("--analyze", action="store_true", help="then --mode=analyze")
   p.add_argument("--target", choices=("local", "slurm", "tpu"), default="local")
   p.add_argument("--launcher_args", default="", help="slurm.py / tpu.py flags")
+  p.add_argument("--until", default=None, help="stop each run at this phase")
   p.add_argument("--dry-run", action="store_true")
   args, extra = p.parse_known_args(argv)
   extra = [a for a in extra if a != "--"]
@@ -107,8 +113,11 @@ def main(argv=None) -> int:
   failed, active = [], []
   for name, cmds in runs:
     cmd = _shell(cmds)
+    if args.until and reached(args.root / name, args.until):
+      print(f"skipped {name} ({args.until} reached)")
+      continue
     if len(active) == args.parallel:  # the next run takes the first core to free
-      done = _wait_any(active)
+      done = _wait_any(active, args.root, args.until)
       failed += _wait(done)
       active.remove(done)
       free.append(done[3])
@@ -122,7 +131,7 @@ def main(argv=None) -> int:
     print(f"started {name} (pid {proc.pid}{'' if core is None else f', core {core}'})")
     active.append((name, proc, log, core))
   for job in active:
-    failed += _wait(job)
+    failed += _wait(job, args.root, args.until)
   print(
     f"{len(runs) - len(failed)} of {len(runs)} runs finished in {args.root}"
     + (f"; failed: {', '.join(failed)} (see their .log)" if failed else "")
@@ -161,16 +170,33 @@ def _pinned(cmd: list, core: int) -> list:
   return [sys.executable, "-c", pin % core, *cmd]
 
 
-def _wait_any(active: list, poll_s: float = 1.0):
-  """The first of the running jobs to finish."""
+def reached(workdir: Path, phase: str) -> bool:
+  """Whether the run in `workdir` has recorded `phase` (phases.json)."""
+  try:
+    return json.loads((workdir / "phases.json").read_text()).get(phase) is not None
+  except (OSError, ValueError):
+    return False
+
+
+_stopped: set[int] = set()  # pids sent SIGTERM by --until (once each)
+
+
+def _wait_any(active: list, root=None, until=None, poll_s: float = 1.0):
+  """The first of the running jobs to finish; with `until`, a job whose run
+  reached that phase is sent SIGTERM (it saves and exits)."""
   while True:
     for job in active:
       if job[1].poll() is not None:
         return job
+      if until and job[1].pid not in _stopped and reached(root / job[0], until):
+        job[1].terminate()
+        _stopped.add(job[1].pid)
     time.sleep(poll_s)
 
 
-def _wait(job) -> list[str]:
+def _wait(job, root=None, until=None) -> list[str]:
+  if until:
+    _wait_any([job], root, until)
   name, proc, log, _ = job
   proc.wait()
   log.close()

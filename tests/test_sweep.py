@@ -123,3 +123,28 @@ def test_the_next_run_takes_the_first_core_to_free(tmp_path, monkeypatch):
   ]
   assert out["third"]["cores"] == out["fast"]["cores"]
   assert out["third"]["start"] < out["slow"]["end"]
+
+
+def test_until_stops_a_run_at_its_phase_and_skips_a_run_that_has_it(
+  tmp_path, monkeypatch, capsys
+):
+  """--until=ood: a run whose phases.json records ood is sent SIGTERM (here
+  a stand-in that would sleep 60 s writes it after 0.5 s and exits 0 on the
+  signal, as a trainer does); a rerun skips it."""
+  import sys
+  import time
+
+  code = (
+    "import json, os, signal, sys, time; w = sys.argv[1]; os.makedirs(w, exist_ok=True)"
+    "\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); time.sleep(0.5)"
+    "\njson.dump({'ood': 12}, open(os.path.join(w, 'phases.json'), 'w'))"
+    "\ntime.sleep(60)"
+  )
+  jobs = [("run", [[sys.executable, "-c", code, str(tmp_path / "run")]])]
+  monkeypatch.setattr(sweep, "commands", lambda *_: jobs)
+  start = time.time()
+  assert sweep.main(["--config=x", f"--root={tmp_path}", "--until=ood"]) == 0
+  assert time.time() - start < 30
+  assert sweep.main(["--config=x", f"--root={tmp_path}", "--until=ood"]) == 0
+  assert "skipped run (ood reached)" in capsys.readouterr().out
+  assert not sweep.reached(tmp_path / "run", "id")
