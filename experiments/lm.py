@@ -27,7 +27,7 @@ control, `sweep("control")` from `control` (Bigram-Backcopy), beside it:
 
   python -m loopjax.main --config=experiments/lm.py --workdir=runs/lm
   python -m loopjax.main --config=experiments/lm.py --workdir=runs/lm --mode=eval
-  python -m loopjax.main --workdir=runs/lm --mode=sample --prompt="def "
+  python -m loopjax.sample --workdir=runs/lm --prompt="def "
   python -m loopjax.bench step --config=experiments/lm.py --torch
   python -m loopjax.main --config=experiments/lm.py:gpu --workdir=/shared/runs/lm_gpu \\
       --config.data.source=tfds:lm1b

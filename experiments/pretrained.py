@@ -16,9 +16,9 @@ Variants (the family's recurrences and analysis depth; bf16):
 
   python -m loopjax.main --config=experiments/pretrained.py:huginn \\
       --config.model.hf_dir=~/models/huginn-0125 --workdir=runs/huginn --mode=analyze
-  python -m loopjax.main --config=experiments/pretrained.py:huginn \\
+  python -m loopjax.sample --config=experiments/pretrained.py:huginn \\
       --config.model.hf_dir=~/models/huginn-0125 --workdir=runs/huginn \\
-      --mode=sample --prompt="The capital of France is"
+      --prompt="The capital of France is"
 
 `--config.data.source=prompts:FILE` (one prompt per line, or JSONL with the
 prompt under data.text_field) replaces the 8 arithmetic questions shipped in

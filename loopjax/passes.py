@@ -152,7 +152,7 @@ def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> 
 
 
 def _sampling(config, task, model) -> dict:
-  """`--mode=sample`'s two programs for one prompt of half a window, its
+  """`python -m loopjax.sample`'s two programs for one prompt of half a window, its
   cache as long as the window: the prefill and one new token."""
   T, S, R = task.seq_len // 2, task.seq_len, config.model.num_loops
   cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)

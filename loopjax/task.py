@@ -63,7 +63,8 @@ class Family(Protocol):
     """Writes the analyses of `model` under `out_dir`; returns the paths."""
 
   def sample(self, config, workdir, prompt: str, **kw) -> str:
-    """`--mode=sample`: `prompt` continued (ConfigError where it cannot be)."""
+    """`python -m loopjax.sample`: `prompt` continued (ConfigError where it
+    cannot be)."""
 
   def without_examples(self, config):
     """The task's shapes from the config alone (no data read)."""

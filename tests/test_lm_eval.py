@@ -83,7 +83,7 @@ def evaluate(tasks, names, model_dir=FIXTURE, **model_args):
 
 
 def greedy(model_dir, question: str) -> str:
-  """--mode=sample's greedy text at R 4: the prompt, then 6 new tokens."""
+  """loopjax.sample's greedy text at R 4: the prompt, then 6 new tokens."""
   c = config_lib.base()
   c.model.update(hf_dir=str(model_dir), num_loops=4)
   return sample.sample(c, None, question, max_new_tokens=6, temperature=0.0)
@@ -108,7 +108,7 @@ def newline_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def at_r4(tasks, newline_model, tmp_path_factory):
   """Both tasks at R 4 with the harness's defaults (add_bos_token unset: the
-  tokenizer adds <s>, so the prompt ids are --mode=sample's), each request's
+  tokenizer adds <s>, so the prompt ids are loopjax.sample's), each request's
   recurrences recorded."""
   root = tmp_path_factory.mktemp("r4")
   with pytest.MonkeyPatch.context() as mp:
@@ -149,14 +149,14 @@ def test_multiple_choice_loglikelihoods_are_a_direct_forwards(at_r4):
 def test_greedy_generation_is_mode_samples_text_cut_at_the_stop_string(
   at_r4, newline_model
 ):
-  """Each text is --mode=sample's continuation cut before the first stop
+  """Each text is loopjax.sample's continuation cut before the first stop
   string; the first question's runs into a real newline (YAML's "\\n")."""
   model, out, lines = at_r4
   cut = []
   for s in out["samples"]["toy_gen"]:
     q = s["doc"]["question"]
     whole = greedy(newline_model, q)
-    # --mode=sample's text starts with the prompt's and runs on to 6 tokens
+    # loopjax.sample's text starts with the prompt's and runs on to 6 tokens
     prompt = model.scorer.decode(model.tok_encode(q))
     continued = whole[len(prompt) :]
     want = continued.split("\n")[0].split("apples")[0]
@@ -281,7 +281,7 @@ def test_model_args_batch_size_wins_over_the_harness_flag():
 @pytest.mark.slow
 def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_path):
   """`--model loopjax` through the harness's own command line, and
-  `--mode=lm_eval` at two recurrences: results, per-R files and the table;
+  `python -m loopjax.lm_eval` at two recurrences: results, per-R files and the table;
   bad input through both exits 2 in one line."""
   r = run(
     "loopjax.lm.harness", "--model", "loopjax", "--include_path", str(tasks),
@@ -303,7 +303,7 @@ def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_pa
   )  # fmt: skip
   assert bad.returncode == 2 and "no tokenizer.json" in bad.stderr.splitlines()[-1]
   bad = run(
-    "loopjax.main", "--mode=lm_eval", f"--workdir={tmp_path / 'w0'}",
+    "loopjax.lm_eval", f"--workdir={tmp_path / 'w0'}",
     "--config=experiments/pretrained.py:ouro", f"--config.model.hf_dir={FIXTURE}",
     "--tasks=no_such_task", f"--include_path={tasks}",
   )  # fmt: skip
@@ -313,7 +313,7 @@ def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_pa
   assert "acc,none" in json.loads(results.read_text())["results"]["toy_mc"]
   w = tmp_path / "w"
   r = run(
-    "loopjax.main", "--mode=lm_eval", f"--workdir={w}", "--recurrences=1,4",
+    "loopjax.lm_eval", f"--workdir={w}", "--num_loops=1,4",
     "--config=experiments/pretrained.py:ouro", f"--config.model.hf_dir={FIXTURE}",
     "--tasks=toy_mc", f"--include_path={tasks}",
   )  # fmt: skip

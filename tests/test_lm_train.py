@@ -80,8 +80,8 @@ def test_eval_and_sample_from_the_command_line(lm_config, tmp_path):
   report = json.loads((wd / "eval/step_20.json").read_text())
   assert report["depths"] == [1, 2, 3, 4]
   out = run(
-    base[:3]
-    + [f"--workdir={wd}", "--mode=sample", "--prompt=def ", "--max_new_tokens=16"]
+    [*base[:2], "loopjax.sample", f"--workdir={wd}", "--prompt=def "]
+    + ["--max_new_tokens=16"]
   )
   assert out.returncode == 0, out.stderr
   assert out.stdout.startswith("def ") and len(out.stdout) > 8

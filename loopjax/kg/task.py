@@ -48,7 +48,7 @@ class _KnowledgeGraph:
 
   def sample(self, config, workdir, prompt: str, **kw) -> str:
     raise ConfigError(
-      f"--mode=sample: needs a language-model run; this one is {self.name!r}"
+      f"python -m loopjax.sample: needs a language-model run; this one is {self.name!r}"
     )
 
   def without_examples(self, config):

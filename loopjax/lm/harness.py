@@ -15,7 +15,7 @@ file that gets each request's recurrences); each is checked before a weight
 is read. Where the choice is the harness's, the defaults are its `hf`
 model's: `pretrained=` names the results folder, and add_bos_token unset
 encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
-<s>). `--mode=lm_eval` of `loopjax.main` runs it for a list of recurrences
+<s>). `python -m loopjax.lm_eval` runs it for a list of recurrences
 into a workdir.
 """
 
@@ -26,6 +26,7 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
+import lm_eval.models  # noqa: F401  the harness's own models, registered first
 from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
@@ -267,7 +268,7 @@ def run(
   include_path=None,
   **harness_kw,
 ):
-  """`--mode=lm_eval`: the harness's `tasks` at each of `recurrences`
+  """`python -m loopjax.lm_eval`: the harness's `tasks` at each of `recurrences`
   (default: the config's R) on `model.hf_dir` or the run in `workdir` (its
   checkpoint at `step`); results under workdir/lm_eval (r{R}.json, each
   request's recurrences in requests_r{R}.jsonl, table.md). `harness_kw`:

@@ -1,4 +1,4 @@
-"""`--mode=sample`: text from a language model (a run's checkpoint or a
+"""`python -m loopjax.sample`: text from a language model (a run's checkpoint or a
 pretrained directory), by `lm.generate`."""
 
 from pathlib import Path

@@ -1,0 +1,125 @@
+"""What loopjax's command lines share: `--config`, `--workdir`, `--step`, the
+multi-process flags; a
+config file that does not load, a bad flag and a bad config field as one line
+(exit 2); a workdir's own config where none is given; and absl's start-up.
+
+An entry point (`main`, `sample`, `lm_eval`) defines its own flags beside
+these and calls `run(its_main)`. The multi-process flags are here too (every
+mode is meant to run across processes).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from loopjax import config as config_lib
+from loopjax import xla
+from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax.workdir import Workdir
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file(
+  "config", None, "Experiment config file[:variant].", lock_config=True
+)
+flags.DEFINE_string(
+  "workdir", None, "Directory of the run (config, logs, checkpoints)."
+)
+flags.DEFINE_integer("step", None, "The checkpoint to read (default: the newest).")
+flags.DEFINE_bool(
+  "distributed",
+  False,
+  "Join a multi-process run, letting JAX find the cluster (TPU VM slices, "
+  "SLURM job steps); launch/tpu.py and launch/slurm.sbatch pass it.",
+)
+flags.DEFINE_string(
+  "coordinator_address",
+  None,
+  "Multi-process runs elsewhere: host:port of process 0 (with --num_processes "
+  "and --process_id; launch/local.py passes them).",
+)
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many.")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this one's index.")
+flags.DEFINE_integer(
+  "heartbeat_timeout", 60, "Seconds before a silent peer ends the whole run."
+)
+
+
+def _parse(argv):
+  try:
+    rest = FLAGS(argv)
+    if isinstance(FLAGS.config, config_flags.config_flags._ErrorConfig):
+      FLAGS.config.lock()  # config_flags defers a failed load: raises it now
+    return rest
+  except OSError as e:
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+    path = path.split(":", 1)[0]
+    why = "no such file" if not os.path.exists(path) else first_line(e.__cause__ or e)
+    exit_with(f"--config={path}: cannot load the config file ({why})")
+  except (flags.Error, ValueError, KeyError, AttributeError) as e:
+    lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
+    exit_with(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
+
+
+def workdir(argv) -> Path:
+  """--workdir, required; no positional arguments."""
+  if len(argv) > 1:
+    exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
+  if not FLAGS.workdir:
+    exit_with("--workdir is required")
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+  return Path(FLAGS.workdir).expanduser()
+
+
+def config(path: Path, training: bool = False):
+  """--config validated; but for training, the workdir's own config.json
+  where none is given, and a model.init_from run's shapes resolved as its
+  training recorded them (training resolves its own)."""
+  from loopjax.pretrained import init_from
+
+  c = FLAGS.config
+  if c is None and not training:
+    c = Workdir(path).saved_config()
+  if c is None:
+    raise ConfigError(
+      "--config is required" + ("" if training else " (or a workdir with config.json)")
+    )
+  config_lib.validate(c)
+  return c if training else init_from.resolve(c)
+
+
+def run(main) -> None:
+  """absl's app.run of `main` with loopjax's XLA defaults and flag parser."""
+  xla.apply_defaults()
+  app.run(main, flags_parser=_parse)
+
+
+def initialize_processes() -> None:
+  """Joins a multi-process run where the flags (or the cluster) say so."""
+  from loopjax import sharding
+
+  sharding.initialize(
+    FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
+    FLAGS.process_id, FLAGS.heartbeat_timeout,
+  )  # fmt: skip
+
+
+def leave_if_a_peer_failed(e: Exception) -> None:
+  """In a multi-process run, a failed collective means a peer died (or its
+  device failed): leave now, as JAX's exit barrier would wait out the
+  heartbeat timeout and then abort. In one process, returns (a bug)."""
+  import jax
+
+  if jax.process_count() == 1:
+    return
+  print(
+    f"error: process {jax.process_index()}: a cross-process operation failed "
+    f"({first_line(e)}); a peer process has probably died. Saved "
+    "checkpoints are intact: rerun the same command on all hosts to resume",
+    file=sys.stderr,
+    flush=True,
+  )
+  sys.stdout.flush()
+  os._exit(1)
