@@ -19,6 +19,7 @@ encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
 into a workdir.
 """
 
+import inspect
 import json
 import re
 import sys
@@ -322,6 +323,32 @@ def run(
   return out
 
 
+def _flag(args: list[str], name: str) -> str | None:
+  """The value of `--name V` or `--name=V` in a command line."""
+  for i, a in enumerate(args):
+    if a.startswith(name + "="):
+      return a.split("=", 1)[1]
+    if a == name and i + 1 < len(args):
+      return args[i + 1]
+  return None
+
+
+def _precheck(args: list[str]) -> None:
+  """`--model loopjax`'s arguments checked before the harness starts (and
+  logs), with the constructor's own rules: one line for a bad one."""
+  if _flag(args, "--model") != "loopjax":
+    return
+  given = utils.simple_parse_args_string(_flag(args, "--model_args") or "")
+  params = dict(inspect.signature(LoopjaxLM.__init__).parameters)
+  params.pop("self")
+  if unknown := [k for k in given if k not in params]:
+    raise ConfigError(
+      f"--model_args: unknown argument {unknown[0]!r} (loopjax takes "
+      f"{', '.join(params)})"
+    )
+  _checked({k: p.default for k, p in params.items()} | given)
+
+
 def main(argv=None):
   """The harness's command line with `loopjax` registered; bad model
   arguments exit 2 with one line."""
@@ -329,18 +356,13 @@ def main(argv=None):
 
   args = sys.argv[1:] if argv is None else argv
   # hf_dir= is pretrained= (the name the harness's results folder is made from)
-  sys.argv = [
-    sys.argv[0],
-    *(re.sub(r"(^|[,=])hf_dir=", r"\1pretrained=", a) for a in args),
-  ]
+  args = [re.sub(r"(^|[,=])hf_dir=", r"\1pretrained=", a) for a in args]
+  sys.argv = [sys.argv[0], *args]
   try:
+    _precheck(args)
     cli_evaluate()
   except ConfigError as e:
     exit_with(str(e))
-  except TypeError as e:  # a model argument LoopjaxLM does not take
-    if "LoopjaxLM.__init__() got an unexpected keyword" not in str(e):
-      raise
-    exit_with(f"--model_args: {e}")
 
 
 if __name__ == "__main__":
