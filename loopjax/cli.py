@@ -53,6 +53,8 @@ def _parse(argv):
     if isinstance(FLAGS.config, config_flags.config_flags._ErrorConfig):
       FLAGS.config.lock()  # config_flags defers a failed load: raises it now
     return rest
+  except SyntaxError as e:  # the experiment file itself
+    exit_with(f"{e.filename}:{e.lineno}: the config file does not parse ({e.msg})")
   except OSError as e:
     path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
     path = path.split(":", 1)[0]

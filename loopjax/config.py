@@ -280,8 +280,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"analyze.halting.r_min: must be <= analyze.halting.r_max "
       f"({a.halting.r_max}); got {a.halting.r_min}"
     )
-  if any(int(r) < 1 for r in c.eval.depths):
-    raise ConfigError(f"eval.depths: every depth must be >= 1; got {c.eval.depths!r}")
+  depths = c.eval.depths
+  if not isinstance(depths, tuple | list) or not all(
+    isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in depths
+  ):
+    raise ConfigError(
+      f"eval.depths: a tuple of integers >= 1, e.g. '(4,8,16)'; got {depths!r}"
+    )
   _validate_mesh(c)
 
 

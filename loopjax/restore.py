@@ -36,6 +36,12 @@ class Reader:
 
   def model(self, step: int | None = None) -> tuple[Model, int]:
     """(the model at `step`, default the newest good one; its step)."""
+    if step is not None and step not in (have := self.steps()):
+      listed = ", ".join(map(str, have[-8:])) if have else "none"
+      raise ConfigError(
+        f"--step={step}: no checkpoint at that step in {self.mngr.directory} "
+        f"(the newest: {listed})"
+      )
     state, step = checkpoint.restore(
       self.mngr, self.abstract, step=step, quarantine=False
     )

@@ -25,7 +25,7 @@ BAD = [
   ("data.source", "csv:/x", "data.source: must be 'generate' or 'grokked_json:DIR'"),
   ("train.lr", -1.0, "train.lr: must be > 0"),
   ("train.b2", 1.0, "train.b2: must be in [0, 1)"),
-  ("eval.depths", (2, 0), "eval.depths: every depth must be >= 1"),
+  ("eval.depths", (2, 0), "eval.depths: a tuple of integers >= 1"),
   ("model.init_state", "zeros", "model.init_state: must be 'embedding' when"),
   ("train.backprop_depth", -1, "train.backprop_depth: must be >= 0"),
   ("train.backprop_depth", 2, "train.backprop_depth: needs model.injection add"),
@@ -124,6 +124,7 @@ def test_conflicts_ignore_resumable_fields():
     ("--config.model.num_loops=abc", "error: "),
     ("--config.model.no_such_field=1", "error: "),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
+    ("--config.eval.depths=abc", "error: eval.depths: a tuple of integers >= 1"),
   ],
 )
 def test_cli_exits_2_with_one_line(tmp_path, override, message):
@@ -155,9 +156,13 @@ def test_cli_exits_2_with_one_line(tmp_path, override, message):
       r"error: --config=experiments/does_not_exist.py: cannot load the config "
       r"file \(no such file\)$",
     ),
+    ("SYNTAX", r"error: .*broken.py:1: the config file does not parse \(invalid"),
   ],
 )
 def test_cli_bad_config_file_or_variant(tmp_path, config, message):
+  if config == "SYNTAX":  # an experiment file that does not parse
+    config = str(tmp_path / "broken.py")
+    (tmp_path / "broken.py").write_text("def get_config(:\n  pass\n")
   r = subprocess.run(
     [
       sys.executable,

@@ -107,6 +107,8 @@ def test_eval_mode_reads_checkpoint_at_several_depths(tiny_config, tmp_path):
   assert set(acc) == {1, 2, 4}
   assert acc[2] == last["eval/id_atomic/acc"]  # R = 2 is the training depth
   assert (tmp_path / "eval/step_60.json").exists()
+  with pytest.raises(ConfigError, match=r"--step=59: no checkpoint at that step .*60"):
+    evaluate.evaluate_checkpoint(tiny_config, tmp_path, 59)
 
 
 STEPS = ("--config.train.num_steps=200",)
