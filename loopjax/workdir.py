@@ -17,7 +17,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from loopjax import config as config_lib
-from loopjax.errors import ConfigError
+from loopjax.errors import ConfigError, first_line
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -58,16 +58,31 @@ def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str
   return out
 
 
-def read_json(path: Path):
+def read_json(path: Path, like: dict | None = None):
   """A record of the run; one that does not parse (cut short by a full disk,
-  edited by hand) is a ConfigError naming it."""
+  edited by hand), or that is not shaped `like` (an object, with an object
+  wherever `like` has one), is a ConfigError naming it."""
   try:
-    return json.loads(path.read_text())
+    data = json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise ConfigError(
       f"{path}: not valid JSON ({e.msg}, line {e.lineno}); restore it or move "
       "the workdir away"
     ) from None
+  if like is not None:
+    _check_shape(data, like, path)
+  return data
+
+
+def _check_shape(value, like: dict, path: Path, at: str = "") -> None:
+  if not isinstance(value, dict):
+    raise ConfigError(
+      f"{path}: {at[:-1] or 'the file'} must be a JSON object, not "
+      f"{type(value).__name__}; restore it or move the workdir away"
+    )
+  for k, sub in like.items():
+    if isinstance(sub, dict) and k in value:
+      _check_shape(value[k], sub, path, f"{at}{k}.")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -98,14 +113,21 @@ class Workdir:
       return None
     c = config_lib.base()
     c.unlock()
-    c.update(read_json(saved))  # recursive; lists become tuples
+    data = read_json(saved, c.to_dict())
+    try:
+      c.update(data)  # recursive; lists become tuples
+    except (TypeError, ValueError, KeyError) as e:
+      raise ConfigError(
+        f"{saved}: does not read as a loopjax config ({first_line(e)}); restore "
+        "it or move the workdir away"
+      ) from None
     return c
 
   def check(self, config) -> None:
     """Raises ConfigError if the workdir holds a run with a conflicting config."""
     saved = self.path / "config.json"
     if saved.exists():
-      old = read_json(saved)
+      old = read_json(saved, config_lib.base().to_dict())
       diff = conflicts(old, json.loads(config_lib.to_json(config)))
       if diff:
         raise ConfigError(
@@ -149,7 +171,15 @@ class Workdir:
     changed corpus, tokenizer or generator) than `dataset` (`task.summary()`);
     touches nothing."""
     saved = self.path / "dataset.json"
-    if saved.exists() and read_json(saved)["fingerprint"] != dataset["fingerprint"]:
+    if not saved.exists():
+      return
+    got = read_json(saved, {}).get("fingerprint")
+    if not isinstance(got, str):
+      raise ConfigError(
+        f"{saved}: has no fingerprint (the data the run was trained on); "
+        "restore it or move the workdir away"
+      )
+    if got != dataset["fingerprint"]:
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
         f"in {saved} differs); use a new --workdir"
@@ -193,7 +223,7 @@ class Workdir:
 
   def _read_phases(self) -> dict:
     path = self.path / "phases.json"
-    return read_json(path) if path.exists() else {}
+    return read_json(path, {}) if path.exists() else {}
 
   def _write_phases(self) -> None:
     write_atomic(self.path / "phases.json", json.dumps(self._phases, indent=2))

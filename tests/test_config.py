@@ -9,6 +9,7 @@ import pytest
 from experiments import extrapolation, halting, sysgen
 from loopjax import config as config_lib
 from loopjax import workdir
+from loopjax.errors import ConfigError
 
 BAD = [
   ("model.num_loops", 0, "model.num_loops: must be >= 1"),
@@ -178,3 +179,27 @@ def test_cli_bad_config_file_or_variant(tmp_path, config, message):
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1, r.stderr
   assert re.match(message, lines[0]), r.stderr
+
+
+@pytest.mark.parametrize(
+  "text, says",
+  [
+    ("[1, 2]", "config.json: the file must be a JSON object, not list"),
+    ("null", "config.json: the file must be a JSON object, not NoneType"),
+    ('{"model": 3}', "config.json: model must be a JSON object, not int"),
+    ('{"train": {"depth": []}}', "config.json: train.depth must be a JSON object"),
+    ('{"model": {"d_model": "abc"}}', "config.json: does not read as a loopjax config"),
+  ],
+)
+def test_a_workdirs_config_json_of_the_wrong_shape_is_one_line(tmp_path, text, says):
+  (tmp_path / "config.json").write_text(text)
+  with pytest.raises(ConfigError, match=re.escape(says)):
+    workdir.Workdir(tmp_path).saved_config()
+
+
+def test_a_dataset_json_without_a_fingerprint_is_one_line(tmp_path):
+  for text in ("{}", "[]", '{"fingerprint": 3}'):
+    (tmp_path / "dataset.json").write_text(text)
+    says = "dataset.json: (has no fingerprint|the file)"
+    with pytest.raises(ConfigError, match=says):
+      workdir.Workdir(tmp_path).check_data({"fingerprint": "abc"})
