@@ -42,6 +42,10 @@ def base() -> ml_collections.ConfigDict:
     train_hops=4,
     train_per_hop=2000,
     test_per_hop=200,
+    # where the answer is read: 0, at the chain's last token (position k); P,
+    # every chain padded to P tokens and read at column P - 1, a pad (LTG's
+    # code: 50 and 49), so the reading position tells nothing of k
+    pad_to=0,
     atomic_repeat=1,  # copies of each atomic fact per epoch (1 = the paper)
     seed=0,
     # lm (data/lm.py): a BPE of vocab_size trained on the corpus, or a

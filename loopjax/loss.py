@@ -75,8 +75,7 @@ def loss_fn(model, batch, train_cfg, *, key, num_loops: int, depth=None):
   if train_cfg.supervise == "last":
     return answer_loss(run(), batch["target"], ls, xent)
   logits_BV, logits_RBV = run(per_iteration=True)
-  # The answer sits after h r1..rk at position k: k hops.
-  on_RB = supervised(train_cfg.supervise, num_loops, batch["answer_pos"], depth)
+  on_RB = supervised(train_cfg.supervise, num_loops, batch["hops"], depth)
   loss_RB = answer_xent(logits_RBV, batch["target"][None], ls, xent)
   loss = (loss_RB * on_RB).sum() / on_RB.sum()
   return loss, (logits_BV.argmax(-1) == batch["target"]).mean()

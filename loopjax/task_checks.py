@@ -34,6 +34,10 @@ def composition(c) -> None:
   _kg_source(c)
   _no_curriculum(c)
   d = c.data
+  if d.pad_to:
+    raise ConfigError(
+      f"data.pad_to: k-hop chains only (data.task 'chains'); got {d.pad_to}"
+    )
   if d.out_degree > d.num_relations:
     raise ConfigError(
       f"data.out_degree: must be <= data.num_relations "
@@ -50,6 +54,12 @@ def chains(c) -> None:
   if not 2 <= d.train_hops <= d.max_hops:
     raise ConfigError(
       f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
+    )
+  if d.pad_to and d.pad_to < d.max_hops + 2:
+    raise ConfigError(
+      f"data.pad_to: 0 (the answer at the chain's last token) or >= "
+      f"data.max_hops + 2 = {d.max_hops + 2} (a pad column after every chain); "
+      f"got {d.pad_to}"
     )
   if d.train_per_hop < 1 or d.test_per_hop < 0:
     field = "train_per_hop" if d.train_per_hop < 1 else "test_per_hop"

@@ -175,7 +175,7 @@ def test_json_load_reads_single_line_files(data, tmp_path):
     path.write_text(json.dumps(json.loads(path.read_text())))
   _assert_same(grokked_json.load(tmp_path), data)
   cfg = ml_collections.ConfigDict(
-    {"source": f"grokked_json:{tmp_path}", "task": "composition"}
+    {"source": f"grokked_json:{tmp_path}", "task": "composition", "pad_to": 0}
   )
   _assert_same(loopjax.data.load(cfg), data)
 
@@ -434,7 +434,7 @@ def test_chains_ltg_json_round_trip(chains, tmp_path):
   first = json.loads((tmp_path / "train.json").read_text())[0]
   assert first["type"] == "atomic" and first["target_text"].endswith("</a>")
   cfg = ml_collections.ConfigDict(
-    {"source": f"grokked_json:{tmp_path}", "task": "chains"}
+    {"source": f"grokked_json:{tmp_path}", "task": "chains", "pad_to": 0}
   )
   _assert_same_chains(loopjax.data.load(cfg), chains)
 
@@ -475,7 +475,7 @@ def test_chains_in_ltgs_own_files_load_as_they_are(chains, tmp_path, capsys):
     grokked_json.SPECIALS
   )
   cfg = ml_collections.ConfigDict(
-    {"source": f"grokked_json:{tmp_path}", "task": "chains"}
+    {"source": f"grokked_json:{tmp_path}", "task": "chains", "pad_to": 0}
   )
   _assert_same_chains(loopjax.data.load(cfg), chains)  # nothing dropped or moved
   err = capsys.readouterr().err.strip().splitlines()

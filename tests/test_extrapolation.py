@@ -227,3 +227,22 @@ def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
   train.train_and_evaluate(config, tmp_path / "run")
   want = {s: v for s, v in losses(whole).items() if s <= 20}
   assert losses(tmp_path / "run") == want
+
+
+def test_a_chains_run_reads_its_answer_at_a_pad_column(tmp_path):
+  """data.pad_to (LTG's 50 / 49): the tiny run trains and evaluates with every
+  chain padded to 8 tokens (max_hops 5 + 3) and the loss's supervised
+  iterations still counted from each chain's hops; too short a pad is one
+  line."""
+  from loopjax import config as config_lib
+  from loopjax.errors import ConfigError
+
+  c = extrapolation.get_config("tiny")
+  c.data.data_dir = str(tmp_path / "data")
+  c.data.pad_to = 6
+  with pytest.raises(ConfigError, match=r"data.pad_to: 0 .* >= data.max_hops \+ 2 = 7"):
+    config_lib.validate(c)
+  c.data.pad_to = 8
+  c.train.update(num_steps=20, supervise="from_hops")
+  last = train.train_and_evaluate(c, tmp_path / "run")
+  assert np.isfinite(last["train/loss"]) and "eval/test_k5/acc" in last

@@ -37,6 +37,20 @@ def test_an_epoch_holds_each_example_once_and_atomic_facts_repeat_times(repeat):
 def test_answer_position_is_the_last_real_token():
   b = next(pipeline.train_iterator(split(), 16, 0, PAD))
   np.testing.assert_array_equal(b["answer_pos"], np.where(b["target"] < 6, 1, 2))
+  np.testing.assert_array_equal(b["hops"], b["answer_pos"])
+
+
+def test_with_pad_to_the_answer_is_read_at_a_fixed_pad_column():
+  """LTG's layout: every example padded to pad_to tokens, read at the last
+  column (a pad); `hops` still counts the real tokens."""
+  b = next(pipeline.train_iterator(split(), 16, 0, PAD, pad_to=7))
+  real = b["inputs"][:, :3]
+  assert b["inputs"].shape == (16, 7) and np.all(b["inputs"][:, 3:] == PAD)
+  np.testing.assert_array_equal(real, split()["inputs"][b["target"]])
+  assert set(b["answer_pos"]) == {6}
+  np.testing.assert_array_equal(b["hops"], np.where(b["target"] < 6, 1, 2))
+  (e,) = pipeline.eval_batches(split(), 16, PAD, pad_to=7)
+  assert e["inputs"].shape == (16, 7) and set(e["answer_pos"]) == {6}
 
 
 def test_restored_state_continues_the_same_stream():

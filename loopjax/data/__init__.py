@@ -1,6 +1,8 @@
 """Task data as integer arrays: knowledge graphs generated (stored via TFDS) or
 the papers' JSON; text corpora tokenized for the language-model task (lm.py)."""
 
+import dataclasses
+
 from loopjax.data import grokked_json, lm, tfds_kg
 from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
 from loopjax.errors import ConfigError
@@ -19,10 +21,18 @@ _JSON = "grokked_json:"
 
 def load(data_cfg) -> TaskData | lm.LmData:
   """The splits that `data_cfg.source` names."""
+  if data_cfg.task == "lm":
+    return _prepared(lambda: lm.read(data_cfg), data_cfg)
   if data_cfg.source.startswith(_JSON):  # config.validate: KG tasks only
-    return grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
+    task = grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
+  else:
+    task = _prepared(lambda: tfds_kg.read(data_cfg), data_cfg)
+  return dataclasses.replace(task, pad_to=data_cfg.pad_to)
+
+
+def _prepared(read, data_cfg):
   try:
-    return lm.read(data_cfg) if data_cfg.task == "lm" else tfds_kg.read(data_cfg)
+    return read()
   except OSError as e:  # data_dir not creatable or writable, disk full
     raise ConfigError(
       f"data.data_dir: cannot prepare the dataset in {data_cfg.data_dir!r} "

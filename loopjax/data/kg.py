@@ -85,6 +85,7 @@ class TaskData:
   vocab: Vocab
   splits: dict[str, Split]  # keyed by split_names(task, ...)
   task: str = "composition"
+  pad_to: int = 0  # chains: data.pad_to (the answer read at a pad column)
 
   @property
   def max_hops(self) -> int:
@@ -93,7 +94,7 @@ class TaskData:
 
   def model_dims(self) -> tuple[int, int]:
     """(vocab size, longest sequence) the model is built for."""
-    return self.vocab.vocab_size, self.max_hops + 1
+    return self.vocab.vocab_size, max(self.max_hops + 1, self.pad_to)
 
   def summary(self) -> dict:
     """What a workdir's dataset.json records: fingerprint, sizes, vocab size."""
@@ -110,7 +111,7 @@ def without_examples(data_cfg) -> TaskData:
   K = data_cfg.max_hops if data_cfg.task == "chains" else 2
   empty = {"inputs": np.zeros((0, K + 1), np.int32), "target": np.zeros(0, np.int32)}
   vocab = Vocab(data_cfg.num_entities, data_cfg.num_relations)
-  return TaskData(vocab, {"train": empty}, data_cfg.task)
+  return TaskData(vocab, {"train": empty}, data_cfg.task, data_cfg.pad_to)
 
 
 def train_split(data: TaskData, max_hops: int) -> Split:

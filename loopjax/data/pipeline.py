@@ -16,16 +16,26 @@ from loopjax.errors import ConfigError
 
 
 def answer_pos(inputs_BT: np.ndarray, pad_id: int) -> np.ndarray:
-  """Position of the last real token, where the answer is predicted."""
+  """Position of the last real token: a chain's hop count k (1 for an atomic
+  fact), where the answer is predicted unless `pad_to` says otherwise."""
   return ((inputs_BT != pad_id).sum(-1) - 1).astype(np.int32)
 
 
-def _gather(split, idx_B, pad_id):
+def _gather(split, idx_B, pad_id, pad_to: int = 0):
+  """A batch: inputs, target, `hops` (the last real token's position) and
+  `answer_pos`, where the answer is read: that position, or with `pad_to` the
+  last of `pad_to` columns (inputs padded to them)."""
   inputs_BT = split["inputs"][idx_B]
+  hops_B = answer_pos(inputs_BT, pad_id)
+  if pad_to:
+    inputs_BT = np.pad(
+      inputs_BT, ((0, 0), (0, pad_to - inputs_BT.shape[1])), constant_values=pad_id
+    )
   return {
     "inputs": inputs_BT,
     "target": split["target"][idx_B],
-    "answer_pos": answer_pos(inputs_BT, pad_id),
+    "answer_pos": np.full_like(hops_B, pad_to - 1) if pad_to else hops_B,
+    "hops": hops_B,
   }
 
 
@@ -36,6 +46,7 @@ def train_iterator(
   pad_id: int,
   atomic_repeat: int = 1,
   shard: tuple[int, int] = (0, 1),
+  pad_to: int = 0,
 ):
   """Endless shuffled batches of group `shard[0]` of `shard[1]`: the rows of
   each global batch one group of processes feeds (a new order each epoch);
@@ -48,13 +59,14 @@ def train_iterator(
   batch of 256 with element-wise shuffle + batch). The last partial batch of an
   epoch is dropped. `atomic_repeat` > 1 puts every atomic fact (bridge -1) that
   many times in each epoch: OOD atomic facts are otherwise ~1% of the stream.
+  `pad_to`: see `_gather`.
   """
   atomic = np.flatnonzero(answer_pos(split["inputs"], pad_id) == 1)
   rows = np.concatenate(
     [np.arange(len(split["target"]))] + [atomic] * (atomic_repeat - 1)
   )
   return shuffled_batches(
-    rows, batch_size, seed, lambda idx_B: _gather(split, idx_B, pad_id), shard
+    rows, batch_size, seed, lambda idx_B: _gather(split, idx_B, pad_id, pad_to), shard
   )
 
 
@@ -84,7 +96,7 @@ def shuffled_batches(rows, batch_size: int, seed: int, gather, shard=(0, 1)):
   return iter(ds.to_iter_dataset())
 
 
-def eval_batches(split, batch_size: int, pad_id: int, columns=()):
+def eval_batches(split, batch_size: int, pad_id: int, columns=(), pad_to: int = 0):
   """Fixed-size batches covering the split once (one compiled shape), with the
   split's `columns` (e.g. "bridge") besides the model's inputs; the last is
   padded with example 0, whose results callers drop (the first n rows count)."""
@@ -92,15 +104,17 @@ def eval_batches(split, batch_size: int, pad_id: int, columns=()):
   for start in range(0, n, batch_size):
     idx_B = np.arange(start, start + batch_size)
     idx_B = np.where(idx_B < n, idx_B, 0)
-    yield _gather(split, idx_B, pad_id) | {c: split[c][idx_B] for c in columns}
+    yield _gather(split, idx_B, pad_id, pad_to) | {c: split[c][idx_B] for c in columns}
 
 
-def map_batches(fn, split, batch_size: int, pad_id: int, *, axis=0, columns=()):
+def map_batches(
+  fn, split, batch_size: int, pad_id: int, *, axis=0, columns=(), pad_to: int = 0
+):
   """`fn(batch)` over `eval_batches`: its outputs (a pytree of arrays whose
   `axis` runs over the batch) concatenated on the host, padding cut."""
   n = len(split["target"])
   outs = jax.device_get(  # every batch dispatched before the first is read
-    [fn(b) for b in eval_batches(split, batch_size, pad_id, columns)]
+    [fn(b) for b in eval_batches(split, batch_size, pad_id, columns, pad_to)]
   )
   return jax.tree.map(
     lambda *o: np.take(np.concatenate(o, axis), np.arange(n), axis), *outs

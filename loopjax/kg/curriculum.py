@@ -47,6 +47,7 @@ def train_iterator(config, task, shard=(0, 1)):
       task.vocab.pad_id,
       config.data.atomic_repeat,
       shard,
+      config.data.pad_to,
     )
 
   cur = config.train.curriculum

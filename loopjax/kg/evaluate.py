@@ -58,7 +58,7 @@ class Evaluator:
     self.R = config.model.num_loops
     self.depths = sorted({int(d) for d in depths} | {self.R})
     self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
-    self.pad = task.vocab.pad_id
+    self.pad, self.pad_to = task.vocab.pad_id, config.data.pad_to
     split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
     # A multiple of the split (eval_batches pads the last batch).
@@ -80,6 +80,7 @@ class Evaluator:
       self.batch_size,
       self.pad,
       axis=1,
+      pad_to=self.pad_to,
     )
 
   def per_depth(self, params) -> tuple[dict, dict]:

@@ -39,6 +39,7 @@ def curves(model, probes: dict, config, pad: int):
       config.eval.batch_size,
       pad,
       axis=1,
+      pad_to=config.data.pad_to,
     )
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),

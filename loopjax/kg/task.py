@@ -57,9 +57,10 @@ class _KnowledgeGraph:
   def batch_shapes(self, config, task, batch_size: int) -> dict:
     B = batch_size
     return {
-      "inputs": ((B, task.max_hops + 1), np.int32),
+      "inputs": ((B, task.model_dims()[1]), np.int32),
       "target": ((B,), np.int32),
       "answer_pos": ((B,), np.int32),
+      "hops": ((B,), np.int32),
     }
 
   def random_batch(self, config, rng, vocab_size: int, seq_len: int) -> dict:
@@ -68,6 +69,7 @@ class _KnowledgeGraph:
       "inputs": rng.integers(0, vocab_size - 1, (B, seq_len)).astype(np.int32),
       "target": rng.integers(0, config.data.num_entities, B).astype(np.int32),
       "answer_pos": np.full(B, seq_len - 1, np.int32),
+      "hops": np.full(B, seq_len - 1, np.int32),
     }
 
 
