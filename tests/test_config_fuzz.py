@@ -123,3 +123,59 @@ def test_huge_phi_is_a_config_error():
   with pytest.raises(config_lib.ConfigError, match="data.phi"):
     tfds_kg.generate(c.data)
   assert math.isinf(c.data.phi * 1000)
+
+
+# lm-evaluation-harness's `--model_args` for `--model loopjax`: a value of any
+# type the harness's parser makes (int, float, bool, None, str) under any of
+# the model's argument names or another name.
+_harness_value = (
+  st.integers(-3, 40)
+  | st.floats(allow_nan=True, allow_infinity=True)
+  | st.booleans()
+  | st.none()
+  | st.text(alphabet="abcxyz0123456789.-", max_size=6)
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  st.dictionaries(
+    st.sampled_from(
+      [
+        "num_loops",
+        "batch_size",
+        "max_length",
+        "max_gen_toks",
+        "r_min",
+        "step",
+        "seed",
+        "dtype",
+        "add_bos_token",
+        "threshold",
+        "num_loop",
+        "device",
+      ]
+    ),  # fmt: skip
+    _harness_value,
+    max_size=4,
+  )
+)
+def test_harness_model_args_are_one_line_or_accepted(args):
+  """`--model loopjax` arguments, checked before the harness starts: a
+  ConfigError (one line) or accepted, never another exception."""
+  harness = pytest.importorskip("loopjax.lm.harness")
+  from lm_eval import utils
+
+  from loopjax.errors import ConfigError
+
+  text = ",".join(f"{k}={v}" for k, v in args.items())
+  try:
+    harness._precheck(["--model", "loopjax", "--model_args", text])
+  except ConfigError as e:
+    assert len(str(e).splitlines()) == 1
+    return
+  parsed = utils.simple_parse_args_string(text)
+  for name in ("num_loops", "batch_size", "max_gen_toks"):  # accepted: sound
+    assert parsed.get(name) is None or (
+      isinstance(parsed[name], int) and parsed[name] >= 1
+    )
