@@ -62,7 +62,10 @@ def table(model, probes: dict, config, pad: int):
     splits = {}
     for name, split in probes.items():
       correct_N, iters_N = pipeline.map_batches(
-        lambda b: _answers(model, b, key, **kw), split, config.eval.batch_size, pad,
+        lambda b: _answers(model, b, key, **kw),
+        split,
+        config.eval.batch_size,
+        pad,
         pad_to=config.data.pad_to,
       )
       splits[name] = {

@@ -127,7 +127,11 @@ def trace_all(config, step, model: Model, probes, pad) -> dict:
   for split_name, split in probes.items():
     split = split | {"bridge": kg.first_bridge(split)}
     ex = pipeline.map_batches(
-      lambda b: step(model, b), split, a.batch_size, pad, columns=("bridge",),
+      lambda b: step(model, b),
+      split,
+      a.batch_size,
+      pad,
+      columns=("bridge",),
       pad_to=config.data.pad_to,
     )
     for name, result in ex.items():

@@ -111,7 +111,9 @@ class LoopjaxLM(TemplateLM):
     )  # fmt: skip
     self.scorer, self.name = loaded.scorer, loaded.name
     self.max_gen_toks, self.add_bos_token = max_gen_toks, add_bos_token
-    self.bos_text = self.scorer.decode(self.scorer.prefix_ids) or None
+    # <bos> as text (a chat template writes it): not added twice
+    prefix = self.scorer.tok.decode(self.scorer.prefix_ids, skip_special_tokens=False)
+    self.bos_text = prefix or None
     self.template, self.specials = loaded.chat_template, loaded.specials
     if self.template is not None:
       self.apply_chat_template([{"role": "user", "content": "2 + 2?"}])  # renders?
