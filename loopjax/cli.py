@@ -1,11 +1,10 @@
-"""What loopjax's command lines share: `--config`, `--workdir`, `--step`, the
-multi-process flags; a
+"""What loopjax's command lines share: `--config`, `--workdir`, `--step` and
+the multi-process flags (every mode is meant to run across processes); a
 config file that does not load, a bad flag and a bad config field as one line
 (exit 2); a workdir's own config where none is given; and absl's start-up.
 
 An entry point (`main`, `sample`, `lm_eval`) defines its own flags beside
-these and calls `run(its_main)`. The multi-process flags are here too (every
-mode is meant to run across processes).
+these and calls `run(its_main)`.
 """
 
 import os
