@@ -261,6 +261,8 @@ def grokking_run(tmp_path_factory):
   return c, root / "run"
 
 
+# ~19 s with its run; test_trace_is_the_forward_pass and the analysis unit tests stay.
+@pytest.mark.slow
 def test_analyze_and_the_ablation_table(grokking_run):
   from loopjax import analyze, report
 

@@ -154,7 +154,10 @@ def lm_loss_and_grads(kernel: str, dtype: str):
   return float(value), jax.tree.leaves(grads)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+  "dtype",
+  ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)],  # ~20 s each
+)
 def test_an_lm_batch_of_packed_documents_has_one_loss_and_gradient(dtype):
   """The training loss and every parameter's gradient through each path:
   XLA's attention (the reference), the CPU's blocked one, splash and Triton."""

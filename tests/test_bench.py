@@ -16,6 +16,7 @@ def small(num_loops: int, d_model: int = 16):
   return c
 
 
+@pytest.mark.slow  # ~14 s of compiles
 def test_jax_step_measures_compile_time_flops_and_memory():
   r2, r4 = steps.jax_step(small(2, 64)), steps.jax_step(small(4, 64))
   for r in (r2, r4):

@@ -156,7 +156,7 @@ def test_margin_matches_numpy():
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-@pytest.mark.slow  # ~10 s of CLI; test_analysis runs the analyses in process
+@pytest.mark.slow  # ~10 s of CLI
 def test_analyze_agrees_with_evaluation(config, whole):
   """`--mode=analyze` from the command line writes every analysis (chains: padded
   queries, the first bridge); its curves equal the evaluator's accuracy at every

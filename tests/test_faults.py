@@ -154,6 +154,7 @@ def test_checksum_detects_one_changed_word():
   assert not checkpoint.digest({**tree, "w": w})[1]
 
 
+@pytest.mark.slow  # ~22 s of CLI runs
 def test_diverging_run_stops_and_keeps_its_good_checkpoints(tmp_path, straight):
   config, done = straight
   workdir = tmp_path / "run"
@@ -209,6 +210,7 @@ def _file_size_limit(kib, cmd):
   return ["bash", "-c", 'trap "" XFSZ; ulimit -f "$0"; exec "$@"', str(kib), *cmd]
 
 
+@pytest.mark.slow  # ~18 s: a run on a size-limited disk, then its resume
 def test_full_disk_stops_cleanly_and_the_run_resumes(straight, tmp_path):
   config, done = straight
   workdir = tmp_path / "run"

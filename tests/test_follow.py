@@ -47,6 +47,9 @@ def _evaluated(workdir) -> list[int]:
   return [r["step"] for r in metrics.read_jsonl(log)] if log.exists() else []
 
 
+# ~29 s: two followers and a trainer as processes (the tests below keep the
+# follower in the default suite).
+@pytest.mark.slow
 def test_follower_evaluates_each_checkpoint_once_across_a_restart(
   tiny_config, tmp_path
 ):

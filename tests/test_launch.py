@@ -216,6 +216,8 @@ def test_xla_warnings_are_captured_and_passed_on(capfd):
   assert compiled.REMAT in capfd.readouterr().err
 
 
+# ~17 s (test_aot_compiles_for_a_target_mesh_and_reports_memory: the same path).
+@pytest.mark.slow
 def test_aot_compiles_a_language_model_step():
   out = _aot("--devices=8", "--config.mesh.fsdp=2", config="experiments/lm.py:tiny")
   assert out.returncode == 0, out.stderr[-2000:]

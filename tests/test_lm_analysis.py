@@ -217,6 +217,8 @@ def test_the_sink_rate_thresholds_each_sequence_before_averaging():
   assert row["sink_rate"] == 0.5 and row["sink_mass"] == pytest.approx(0.5)
 
 
+# ~13 s: two compiles of the analysis pass.
+@pytest.mark.slow
 def test_memory_does_not_grow_with_iterations():
   """A random LM at T = 128: the pass's temporary memory at R = 32 is that at
   R = 2 (a few iterations' attention weights: the carried previous one, the

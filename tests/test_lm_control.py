@@ -5,6 +5,7 @@ tokens, a model parks its attention on <bos>; the analyses must say so."""
 import json
 
 import numpy as np
+import pytest
 
 from experiments import lm as lm_experiment
 from loopjax import analyze, train
@@ -28,6 +29,7 @@ def test_bigram_backcopy_copies_after_triggers_and_follows_bigrams_elsewhere():
   assert len(copied) == corpus.BB_TRIGGERS
 
 
+@pytest.mark.slow  # ~21 s: trains the control, then analyzes it
 def test_the_positive_control_forms_a_sink_that_the_analysis_finds(tmp_path):
   """A 1-layer model on aligned rows, 300 steps: its head puts nearly all of
   its attention on <bos> (sink rate 1, ColSum concentration far above uniform

@@ -31,7 +31,12 @@ def test_left_padding_right_aligns_each_prompt():
 
 @pytest.mark.parametrize(
   "overrides",
-  [dict(), dict(pos_encoding="learned", num_prelude=1, num_coda=1)],
+  [
+    dict(),
+    pytest.param(  # ~8 s
+      dict(pos_encoding="learned", num_prelude=1, num_coda=1), marks=pytest.mark.slow
+    ),
+  ],
 )
 def test_a_ragged_batch_generates_what_each_prompt_generates_alone(overrides):
   """Rotary and learned positions count from each row's first real token, and

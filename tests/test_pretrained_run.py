@@ -201,6 +201,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
   assert one["temporaries"] > 0
 
 
+@pytest.mark.slow  # ~22 s: three analyses of pretrained fixtures
 def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   """analyze.baseline_dir: the retrofitted model's stages and its source's
   (here a 3-layer Llama) on the same prompts, and one figure of both, with

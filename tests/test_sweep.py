@@ -3,6 +3,8 @@
 import json
 from pathlib import Path
 
+import pytest
+
 from launch import sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +64,8 @@ def test_named_sweep_and_unknown_name(tmp_path, capsys):
     raise AssertionError("an unknown sweep name must exit")
 
 
+# ~17 s: two runs as processes (the scheduling tests stay in the default suite).
+@pytest.mark.slow
 def test_parallel_sweep_trains_every_point(tiny_config, tmp_path, monkeypatch):
   monkeypatch.setattr(
     sweep,

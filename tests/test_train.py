@@ -268,6 +268,8 @@ def test_train_step_loss_is_mean_over_supervised_iterations(tiny_config, mode):
   np.testing.assert_allclose(out["train/loss"], xent_RB[on_RB].mean(), rtol=1e-5)
 
 
+# ~10 s: a run, then --mode=eval on its edited config.
+@pytest.mark.slow
 def test_eval_mode_reads_an_older_runs_config(tiny_config, tmp_path):
   """A config.json written before fields were added still evaluates (no --config)."""
   train.train_and_evaluate(tiny_config, tmp_path)
