@@ -60,8 +60,34 @@ def _parse(argv):
     why = "no such file" if not os.path.exists(path) else first_line(e.__cause__ or e)
     exit_with(f"--config={path}: cannot load the config file ({why})")
   except (flags.Error, ValueError, KeyError, AttributeError) as e:
+    if unknown := _unknown_field(argv):
+      exit_with(unknown)
     lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
     exit_with(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
+
+
+def _unknown_field(argv) -> str | None:
+  """The first `--config.a.b=` naming no field of the loaded config, as the
+  line that says so and what the section has (config_flags only says 'b')."""
+  given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+  try:  # the flag holds no value when an override fails: load the file again
+    c = FLAGS["config"].parser.parse(given[-1]) if given else None
+  except Exception:  # noqa: BLE001 (the original error is the one to report)
+    return None
+  if not hasattr(c, "keys"):
+    return None
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    path, node = arg[2:].split("=", 1)[0].split(".")[1:], c
+    for i, key in enumerate(path):
+      section = ".".join(["config", *path[:i]])
+      if not hasattr(node, "keys"):
+        return f"--config.{'.'.join(path)}: {section} is a value, not a section"
+      if key not in node:
+        return f"--{section}.{key}: no such field; {section} has: {', '.join(node)}"
+      node = node[key]
+  return None
 
 
 def workdir(argv) -> Path:

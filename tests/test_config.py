@@ -123,7 +123,11 @@ def test_conflicts_ignore_resumable_fields():
   [
     ("--config.model.num_loops=0", "error: model.num_loops: must be >= 1; got 0"),
     ("--config.model.num_loops=abc", "error: "),
-    ("--config.model.no_such_field=1", "error: "),
+    (
+      "--config.model.no_such_field=1",
+      "error: --config.model.no_such_field: no such field; config.model has: attention",
+    ),
+    ("--config.seed.x=1", "error: --config.seed.x: config.seed is a value, not a"),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
     ("--config.eval.depths=abc", "error: eval.depths: a tuple of integers >= 1"),
   ],
