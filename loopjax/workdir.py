@@ -54,8 +54,13 @@ def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str
     if isinstance(a, dict) and isinstance(b, dict):
       out += conflicts(a, b, path + ".", d)
     elif a != b and not (k not in old and b == d):
-      out.append(f"{path}={a!r} (workdir) vs {b!r} (new)")
+      out.append(f"{path}={_short(a)} (workdir) vs {_short(b)} (new)")
   return out
+
+
+def _short(value, limit: int = 60) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def read_json(path: Path, like: dict | None = None):
@@ -130,9 +135,10 @@ class Workdir:
       old = read_json(saved, config_lib.base().to_dict())
       diff = conflicts(old, json.loads(config_lib.to_json(config)))
       if diff:
+        more = f"; and {len(diff) - 3} more" if len(diff) > 3 else ""
         raise ConfigError(
           f"--workdir={self.path} holds a run with another config: "
-          f"{'; '.join(diff)}. Use a new --workdir."
+          f"{'; '.join(diff[:3])}{more}. Use a new --workdir."
         )
     elif self.checkpoint_dir.exists() and any(self.checkpoint_dir.iterdir()):
       raise ConfigError(

@@ -118,6 +118,17 @@ def test_conflicts_ignore_resumable_fields():
   ]
 
 
+def test_a_conflict_is_one_short_line_however_many_fields_differ(tmp_path):
+  (tmp_path / "config.json").write_text(config_lib.to_json(sysgen.get_config("cpu")))
+  new = extrapolation.get_config("paper")
+  new.eval.depths = tuple(range(1, 200))  # a long value is cut
+  with pytest.raises(config_lib.ConfigError) as e:
+    workdir.Workdir(tmp_path).check(new)
+  message = str(e.value)
+  assert "\n" not in message and len(message) < 400, message
+  assert re.search(r"; and \d+ more\. Use a new --workdir\.$", message), message
+
+
 @pytest.mark.parametrize(
   "override,message",
   [
