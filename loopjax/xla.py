@@ -6,13 +6,25 @@ wins. XLA reads them when JAX starts its backend, so they are applied by the
 entry points (`loopjax.main`, `loopjax.bench`, `loopjax.aot`) before any JAX
 computation, never on import; in a notebook call `loopjax.xla.apply_defaults()`
 first. LOOPJAX_XLA_DEFAULTS=0 leaves XLA_FLAGS alone.
+
+On a host with no accelerator device, JAX_PLATFORMS (unless set) is `cpu`:
+JAX would otherwise start the CUDA plugin or libtpu that the `targets` extra
+installs for compiling (`loopjax.aot`, which needs neither started) and print
+their failures at every start.
 """
 
+import glob
 import os
 import sys
 import warnings
 
 CPU_FLAGS = {"--xla_cpu_experimental_ynn_fusion_type": ""}
+# NVIDIA, AMD, TPU (v4 / v5e: accel; v5p / v6e: vfio groups)
+ACCELERATOR_DEVICES = ("/dev/nvidiactl", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*")
+
+
+def has_accelerator() -> bool:
+  return any(glob.glob(pattern) for pattern in ACCELERATOR_DEVICES)
 
 
 def apply_defaults() -> None:
@@ -20,6 +32,12 @@ def apply_defaults() -> None:
   (then they would not take effect in this process)."""
   if os.environ.get("LOOPJAX_XLA_DEFAULTS") == "0":
     return
+  if "JAX_PLATFORMS" not in os.environ and not has_accelerator():
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # it read the environment on import
+      import jax
+
+      jax.config.update("jax_platforms", "cpu")
   flags = os.environ.get("XLA_FLAGS", "")
   extra = [f"{k}={v}" for k, v in CPU_FLAGS.items() if k not in flags]
   if not extra:

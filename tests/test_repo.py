@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from loopjax import xla
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,6 +47,23 @@ def test_importing_loopjax_leaves_the_environment_alone():
     [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
   )
   assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_an_entry_point_on_a_host_without_accelerators_starts_quietly():
+  """No JAX_PLATFORMS given, no accelerator device: the entry points' defaults
+  start JAX on the CPU alone, so the CUDA plugin and libtpu that the `targets`
+  extra installs (the slow tier has them) print nothing."""
+  if xla.has_accelerator():
+    pytest.skip("this host has an accelerator")
+  code = (
+    "import jax; from loopjax import xla; xla.apply_defaults(); "
+    "print(jax.devices()[0].platform)"
+  )
+  env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+  r = subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env
+  )
+  assert (r.returncode, r.stdout, r.stderr) == (0, "cpu\n", ""), r.stderr[-2000:]
 
 
 def test_ruff_clean():
