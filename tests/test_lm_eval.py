@@ -280,6 +280,21 @@ def test_model_args_batch_size_wins_over_the_harness_flag():
   assert model.scorer.batch_size == 3
 
 
+@pytest.mark.parametrize("flag, used", [("2", 2), ("auto", 8), ("auto:4", 8)])
+def test_the_harness_batch_size_flag_is_read_as_it_writes_it(flag, used):
+  """The harness's own `--batch_size` reaches the model as a string."""
+  harness._precheck(["--model", "loopjax", "--batch_size", flag])
+  model = harness.LoopjaxLM.create_from_arg_string(
+    f"pretrained={FIXTURE}", {"batch_size": flag, "device": None}
+  )
+  assert model.scorer.batch_size == used
+
+
+def test_a_bad_harness_batch_size_flag_is_one_line():
+  with pytest.raises(ConfigError, match="batch_size must be an integer >= 1; got '0x'"):
+    harness._precheck(["--model", "loopjax", "--batch_size=0x"])
+
+
 @pytest.mark.slow
 def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_path):
   """`--model loopjax` through the harness's own command line, and

@@ -49,6 +49,14 @@ def _count(name: str, value, least: int = 1):
   return value
 
 
+def _batch_size(value):
+  """The harness's `--batch_size` is a string ("16", "auto", "auto:4"); "auto"
+  gets the default (there is no memory probe)."""
+  if isinstance(value, str) and value.startswith("auto"):
+    return 8
+  return int(value) if isinstance(value, str) and value.isdigit() else value
+
+
 def _checked(args: dict) -> dict:
   """The model arguments that take a number, a dtype or a flag, checked (the
   harness parses `k=v` into int, float and bool where it can; what is left a
@@ -100,8 +108,7 @@ class LoopjaxLM(TemplateLM):
     device: str | None = None,  # the harness's; JAX places the model
   ):
     super().__init__()
-    if str(batch_size).startswith("auto"):
-      batch_size = 8  # no memory probe: the harness's "auto" gets the default
+    batch_size = _batch_size(batch_size)
     _checked(locals())
     rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
     loaded = scoring.load(
@@ -348,7 +355,10 @@ def _precheck(args: list[str]) -> None:
       f"--model_args: unknown argument {unknown[0]!r} (loopjax takes "
       f"{', '.join(params)})"
     )
-  _checked({k: p.default for k, p in params.items()} | given)
+  merged = {k: p.default for k, p in params.items()} | given
+  if "batch_size" not in given and (flag := _flag(args, "--batch_size")):
+    merged["batch_size"] = flag  # the harness's own flag: a string
+  _checked(merged | {"batch_size": _batch_size(merged["batch_size"])})
 
 
 def main(argv=None):
