@@ -278,6 +278,10 @@ def test_model_args_batch_size_wins_over_the_harness_flag():
     f"pretrained={FIXTURE},batch_size=3", {"batch_size": 1, "device": None}
   )
   assert model.scorer.batch_size == 3
+  model = harness.LoopjaxLM.create_from_arg_obj(  # the command line's way
+    {"pretrained": str(FIXTURE), "batch_size": 3}, {"batch_size": "1", "device": None}
+  )
+  assert model.scorer.batch_size == 3
 
 
 @pytest.mark.parametrize("flag, used", [("2", 2), ("auto", 8), ("auto:4", 8)])

@@ -144,9 +144,15 @@ class LoopjaxLM(TemplateLM):
   def create_from_arg_string(cls, arg_string: str, additional_config=None):
     """The harness's constructor from `--model_args`; an argument given there
     (batch_size) wins over the one the harness's own flags always pass."""
-    args = utils.simple_parse_args_string(arg_string)
+    return cls.create_from_arg_obj(
+      utils.simple_parse_args_string(arg_string), additional_config
+    )
+
+  @classmethod
+  def create_from_arg_obj(cls, arg_dict: dict, additional_config=None):
+    """The same from a parsed `--model_args` (the harness's command line)."""
     extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
-    return cls(**(extra | args))
+    return cls(**(extra | arg_dict))
 
   def tok_encode(self, string: str, add_special_tokens=None, **kw) -> list[int]:
     """`string`'s ids: after <bos> where asked (None: `add_bos_token`), and
