@@ -64,9 +64,28 @@ class Writer:
     self._jsonl.flush()
 
   def close(self) -> None:
-    if self.enabled:
-      self._jsonl.close()
-      self._tb.close()
+    """Closes both sinks whatever either does (a full disk fails both); raises
+    the first error."""
+    if not self.enabled:
+      return
+    errors = []
+    for close in (self._jsonl.close, self._tb.close):
+      try:
+        close()
+      except OSError as e:
+        errors.append(e)
+    if errors:
+      _abandon(self._tb)
+      raise errors[0]
+
+
+def _abandon(tb) -> None:
+  """Stops a SummaryWriter whose close failed: its worker thread, and the
+  flush it would retry at exit (each would print a traceback)."""
+  events = tb.file_writer.event_writer
+  if events._worker is not None:
+    events._worker.stop()
+  events._closed = True
 
 
 def _drop_partial_line(path: Path) -> None:

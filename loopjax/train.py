@@ -168,6 +168,18 @@ def train_and_evaluate(config, workdir) -> dict:
     return loop.run_to_end(state)
 
 
+def _clean_up(failure, *steps):
+  """Runs every clean-up step whatever the others do; returns the run's
+  failure: the one that stopped it, else the first write error in clean-up (on
+  a full disk every step fails; the first error is the one worth a line)."""
+  for step in steps:
+    try:
+      step()
+    except (OSError, checkpoint.WriteError) as e:
+      failure = failure or e
+  return failure
+
+
 @dataclasses.dataclass
 class _Loop:
   """Steps until num_steps or a signal; logs, evaluates and saves on cadence."""
@@ -201,14 +213,18 @@ class _Loop:
         checkpoint.wait(mngr)
       except checkpoint.WriteError as e:
         failure, reason = failure or e, "stopped"
-      mngr.close()
-      self.writer.end(self.step, reason)  # an evaluation job stops waiting on it
-      self.writer.close()
+      failure = _clean_up(
+        failure,
+        mngr.close,
+        lambda: self.writer.end(self.step, reason),  # an evaluation job stops waiting
+        self.writer.close,
+      )
     if failure is not None:
       mngr.reload()  # what is on disk, not orbax's in-memory list
       newest = mngr.latest_step()
+      where = f"writing in {wd.path}: " if isinstance(failure, OSError) else ""
       raise RunStopped(
-        f"{first_line(failure)}; the run stopped. "
+        f"{where}{first_line(failure, 200)}; the run stopped. "
         + (
           f"Checkpoints are intact, newest: step {newest} in {wd.checkpoint_dir}"
           if newest is not None

@@ -210,6 +210,39 @@ def _file_size_limit(kib, cmd):
   return ["bash", "-c", 'trap "" XFSZ; ulimit -f "$0"; exec "$@"', str(kib), *cmd]
 
 
+def test_a_full_disk_under_the_logs_is_one_line_not_masked_by_clean_up(
+  tiny_config, tmp_path
+):
+  """Every write fails (metrics, TensorBoard, then clean-up's own): the error
+  that stopped the run is the one line, with the workdir; no traceback. The
+  data set cannot be written either: one line naming data.data_dir."""
+  workdir = tmp_path / "run"
+  data_dir = tiny_config.data.data_dir
+  proc = run(_file_size_limit(4, cli(workdir, data_dir)))
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  assert (
+    proc.stderr.strip()
+    .splitlines()[-1]
+    .startswith(f"error: data.data_dir={data_dir}: cannot write the dataset (")
+  ), proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
+  data_only = run(cli(tmp_path / "data_only", data_dir, "--config.train.num_steps=1"))
+  assert data_only.returncode == 0, data_only.stderr[-2000:]
+  proc = run(
+    _file_size_limit(
+      4,
+      cli(
+        workdir, tiny_config.data.data_dir, "--config.train.num_steps=400",
+        "--config.log_every=1", "--config.checkpoint.every=1000",
+      ),
+    )
+  )  # fmt: skip
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr and "Exception" not in proc.stderr, proc.stderr
+  (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+  assert line.startswith(f"error: writing in {workdir}: [Errno 27] File too large")
+
+
 @pytest.mark.slow  # ~18 s: a run on a size-limited disk, then its resume
 def test_full_disk_stops_cleanly_and_the_run_resumes(straight, tmp_path):
   config, done = straight
@@ -225,7 +258,8 @@ def test_full_disk_stops_cleanly_and_the_run_resumes(straight, tmp_path):
   )
   assert proc.returncode == 1, proc.stderr[-2000:]
   # orbax also logs the failed write from its thread; loopjax's line sums it up.
-  (line,) = [x for x in proc.stderr.splitlines() if "error: a checkpoint write" in x]
+  (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+  assert line.startswith(f"error: writing in {workdir}: a checkpoint write"), line
   assert "File too large" in line and "newest: step 60" in line, line
   assert steps_on_disk(workdir) == [20, 40, 60]
   rerun = run(

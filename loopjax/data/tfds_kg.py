@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from loopjax.data import kg
-from loopjax.errors import ConfigError
+from loopjax.errors import ConfigError, first_line
 
 
 class _NoCustomConfigWarning(logging.Filter):
@@ -170,6 +170,13 @@ def prepare_once(root: Path, name: str, make_builder):
       tfds.display_progress_bar(bars)
       try:
         builder.download_and_prepare(file_format="array_record")
+      except (OSError, RuntimeError) as e:  # array_record: RuntimeError("write()..")
+        if isinstance(e, RuntimeError) and "write" not in str(e):
+          raise
+        raise ConfigError(
+          f"data.data_dir={root}: cannot write the dataset ({first_line(e, 160)}); "
+          "free space there or give another data.data_dir"
+        ) from None
       finally:
         tfds.display_progress_bar(True)  # TFDS's default
   return builder
