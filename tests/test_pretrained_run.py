@@ -68,7 +68,7 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   text = sample.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
   prompt = lm.encode(tok, "how many apples")  # <s> and 3 words
-  _, model = restore.from_hf_dir(c)
+  model = restore.language_model(c).model()
   tokens = np.asarray([prompt + generate(model, [prompt], 5, num_loops=4).tokens[0]])
   decoded = lm.tokenizer_from_json(tok).decode(list(map(int, tokens[0])), True)
   assert text == decoded and tokens.shape == (1, 9)
@@ -194,7 +194,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
     next(v for k, v in r["passes"].items() if k.startswith("analysis, 6 iterations"))
     for r in reports
   )
-  _, model = restore.from_hf_dir(config("huginn", "huginn"))
+  model = restore.language_model(config("huginn", "huginn")).model()
   sizes = [x.size for x in jax.tree.leaves(model.params)]
   assert reports[0]["params"] == sum(sizes)  # every param, none twice
   assert 2.5 < one["arguments"] / four["arguments"] <= 4.0
