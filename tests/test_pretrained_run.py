@@ -297,3 +297,23 @@ def test_an_answer_is_right_when_its_last_number_is_the_golds(tmp_path):
   assert [r["correct"] for r in rows] == [True, False]
   assert rows[1]["gold"] == f"{int(last) + 1}000"
   assert "| sink_at_R | 0.5 | 0.1 |" in (tmp_path / "answers.md").read_text()
+
+
+def test_one_prefix_rule_for_runs_and_pretrained_directories(tmp_path):
+  """`restore.Text`: a data.bos run's texts start with <bos>, one without
+  with nothing (an empty text with <eos>); a pretrained tokenizer writes its
+  own <bos> (an empty text starts with it)."""
+  from experiments import lm as lm_experiment
+  from loopjax.data import lm
+
+  tok = (FIXTURES / "huginn" / "tokenizer.json").read_text()
+  (tmp_path / "tokenizer.json").write_text(tok)
+  _, bos, eos = lm.special_ids(tok, "tokenizer.json")
+  c = lm_experiment.get_config("tiny")
+  for on, prefix, start in ((True, [bos], bos), (False, [], eos)):
+    c.data.bos = on
+    text = restore.language_model(c, tmp_path).text
+    assert (text.prefix_ids, text.start_id, text.eos_id) == (prefix, start, eos)
+  opened = restore.language_model(restore.pretrained_config(FIXTURES / "huginn"))
+  assert (opened.text.prefix_ids, opened.text.start_id) == ([], bos)
+  assert opened.num_loops == 4  # 0: the directory's own (mean_recurrence)
