@@ -166,7 +166,7 @@ def _pretrained(config, num_loops):
     m.hf_dir, m, split, num_loops or m.num_loops, m.dtype, weights=False
   )
   path = Path(m.hf_dir).expanduser()
-  tok = tokenizer_json(path, vocab)
+  tok = _tokenizer(path, vocab)
   _, bos, eos = lm.special_ids(tok, f"{m.hf_dir}/tokenizer.json")
 
   def weights(step=None):
@@ -181,7 +181,7 @@ def _pretrained(config, num_loops):
   return LanguageModel(m.hf_dir, cfg, cfg.num_loops, text, path, weights)
 
 
-def tokenizer_json(path: Path, vocab_size: int) -> str:
+def _tokenizer(path: Path, vocab_size: int) -> str:
   """The directory's tokenizer.json, whose vocabulary must fit the embedding."""
   file = path / "tokenizer.json"
   if not file.is_file():
