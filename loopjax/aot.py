@@ -71,12 +71,12 @@ def _pass_lines(passes: dict, cap) -> list[str]:
   return out
 
 
-def _pretrained_table(report: dict, config) -> list[str]:
-  """A pretrained model's passes as lines."""
+def _pretrained_table(report: dict, name: str, config) -> list[str]:
+  """A pretrained model's (the directory `name`) passes as lines."""
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
   B, T = report["batch"]
   out = [
-    f"{config.model.hf_dir}: {report['params'] / 1e9:.2f}B params in "
+    f"{name}: {report['params'] / 1e9:.2f}B params in "
     f"{config.model.dtype}, batch {B} x {T} tokens, mesh {mesh} on "
     f"{report['target']}",
     "memory per device (arguments, temporaries, outputs, peak); compile time:",
@@ -141,7 +141,7 @@ def main(argv):
 
   import jax
 
-  from loopjax import compiled, passes, targets
+  from loopjax import compiled, passes, restore, targets
   from loopjax import config as config_lib
   from loopjax.errors import ConfigError, exit_with
   from loopjax.pretrained import init_from
@@ -156,7 +156,7 @@ def main(argv):
     config_lib.validate(config)
     target = targets.make(FLAGS.target) if FLAGS.target else None
     devices = target.devices if target else jax.devices()
-    if config.model.hf_dir:
+    if restore.pretrained(config):
       report = passes.check_pretrained(config, devices, target)
     else:
       report = passes.check(config, devices, target)
@@ -167,8 +167,10 @@ def main(argv):
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=2, default=str)
-  pretrained = config.model.hf_dir
-  print("\n".join(_pretrained_table(report, config) if pretrained else _table(report)))
+  if restore.pretrained(config):
+    print("\n".join(_pretrained_table(report, restore.name(config), config)))
+  else:
+    print("\n".join(_table(report)))
   on_target, remat = target is not None, report["rematerialized"]
   if (why := compiled.refusal(remat, on_target, FLAGS.allow_remat)) is not None:
     exit_with(why, code=1)

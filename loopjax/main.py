@@ -44,9 +44,10 @@ def _checked_flags() -> None:
 
 def _run(config, workdir) -> None:
   """The mode, on a validated config (None: --follow waits for the run's)."""
-  from loopjax import analyze, evaluate, follow, train
+  from loopjax import analyze, evaluate, follow, restore, train
 
-  if config is not None and config.model.hf_dir and FLAGS.mode != "analyze":
+  opens_a_directory = config is not None and restore.pretrained(config)
+  if opens_a_directory and FLAGS.mode != "analyze":
     raise ConfigError(
       f"--mode={FLAGS.mode}: a pretrained model (model.hf_dir) takes "
       "--mode=analyze, python -m loopjax.sample or python -m loopjax.lm_eval"
@@ -62,7 +63,7 @@ def _run(config, workdir) -> None:
   elif FLAGS.mode == "eval":
     Workdir(workdir).check(config)
     evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
-  elif config.model.hf_dir:
+  elif opens_a_directory:
     from loopjax.lm import pretrained  # its analyses: matplotlib
 
     print("wrote " + ", ".join(map(str, pretrained.analyze(config, workdir))))

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import compiled, sharding, state, train
+from loopjax import compiled, restore, sharding, state, train
 from loopjax import config as config_lib
 from loopjax import task as task_lib
 from loopjax.analysis import depth_scan
@@ -20,7 +20,6 @@ from loopjax.bench import measure
 from loopjax.errors import ConfigError, first_line
 from loopjax.lm import generate
 from loopjax.names import LM_STREAMED
-from loopjax.pretrained import load
 
 
 def _batch(family, config, task, B: int, put) -> dict:
@@ -89,16 +88,14 @@ def _analysis(config, mesh, family, task, model) -> tuple:
 
 
 def check_pretrained(config, devices, target=None) -> dict:
-  """A pretrained model's (`model.hf_dir`: config.json is all it reads):
+  """A pretrained model's (`restore.abstract`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
   recurrences over analyze.batch_size prompts of data.seq_len tokens, and
   the forward at model.num_loops, its params in model.dtype sharded by the
   rules; returns each one's memory, compile time and XLA's warnings."""
-  m, rules = config.model, tuple(config.sharding.rules)
+  rules = tuple(config.sharding.rules)
   mesh = sharding.make_mesh(config.mesh, devices)
-  cfg, model = load.abstract(
-    m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
-  )
+  cfg, model, _ = restore.abstract(config, mesh)
   family = task_lib.for_config(config)
   task = family.without_examples(config)
   name, analysis = _analysis(config, mesh, family, task, model)

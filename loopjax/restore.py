@@ -1,18 +1,49 @@
-"""A model to evaluate, analyze or sample: from a run's checkpoint or from a
-pretrained directory (`model.hf_dir`). The one way every mode opens a model.
+"""A model to evaluate, analyze, sample, score or compile: from a run's
+checkpoint or from a pretrained directory (`model.hf_dir`). The one way every
+mode, the harness, generation, aot and the benchmarks open a model, and the
+one module that reads `model.hf_dir` (beside config validation).
 
 A checkpoint is read on one device, from abstract shapes (nothing is
 initialized), and never moved: a trainer may be writing beside it. A
 pretrained directory's params go straight into their shards on the run's mesh.
+
+A language model comes with how it reads text (`Text`); its prefix rule is
+written once, there.
 """
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
 
 import jax
 
 from loopjax import checkpoint, data, sharding
+from loopjax import config as config_lib
+from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.pretrained import load
 from loopjax.state import Model, sharded_train_state
 from loopjax.workdir import Workdir
+
+
+def pretrained(config) -> bool:
+  """Whether `config` opens a pretrained directory, which records no run (no
+  checkpoint, no training), rather than a run's checkpoint."""
+  return bool(config.model.hf_dir)
+
+
+def name(config, workdir=None) -> str:
+  """What reports call the model: its pretrained directory, or the workdir."""
+  return config.model.hf_dir if pretrained(config) else str(workdir)
+
+
+def pretrained_config(path, config=None, **model):
+  """`config` (default: base()'s; a mutable one, changed in place) opening
+  the pretrained directory `path`, with `model` fields set (num_loops 0, the
+  default here: the directory's own recurrences)."""
+  config = config_lib.base() if config is None else config
+  config.model.update(hf_dir=str(path), **{"num_loops": 0} | model)
+  return config
 
 
 class Reader:
@@ -67,12 +98,115 @@ def from_checkpoint(config, workdir, step: int | None = None, task=None):
   return task, model, step
 
 
-def from_hf_dir(config):
-  """(model config, Model) of `model.hf_dir` with `model.num_loops` recurrences
-  in `model.dtype`, its params put straight into their shards on the run's mesh
-  (`mesh`, `sharding.rules`)."""
-  m, rules = config.model, tuple(config.sharding.rules)
-  mesh = sharding.make_mesh(config.mesh)
-  return load.load(
-    m.hf_dir, m, load.split(config), m.num_loops, m.dtype, mesh=mesh, rules=rules
+@dataclasses.dataclass(frozen=True)
+class Text:
+  """How a language model reads and writes text: its tokenizer (a
+  tokenizer.json's text), the ids before a text, its <eos>, its positions.
+
+  The prefix rule. A text read from a document's start (a prompt to
+  continue, a context to score) is `prefix_ids` followed by the tokenizer's
+  encoding of it, post-processor included, as the model's training documents
+  were: `prefix_ids` is [<bos>] for a run trained with data.bos and empty
+  otherwise; a pretrained tokenizer's post-processor writes the <bos> its
+  model expects itself (a Llama tokenizer's <s>). Where there is no text to
+  encode (an empty context before a scored continuation), or where
+  lm-evaluation-harness asks for the model's <bos> (its prefix_token_id,
+  add_bos_token), the text starts from `start_id`: the model's <bos> (a
+  pretrained tokenizer's, a data.bos run's), else <eos> (a run without
+  data.bos reads each document after the previous one's <eos>)."""
+
+  tokenizer_json: str
+  prefix_ids: list[int]
+  start_id: int
+  eos_id: int
+  max_length: int  # the positions the model has
+
+
+@dataclasses.dataclass
+class LanguageModel:
+  """A language model opened up to its weights: its text read and checked,
+  its model config (`cfg`) and recurrences. `model(step)` reads the weights
+  (a run's checkpoint at `step`, default the newest good one; a pretrained
+  directory's, every tensor checked); `directory`: the pretrained directory
+  (its tokenizer_config.json), or None."""
+
+  name: str
+  cfg: object
+  num_loops: int
+  text: Text
+  directory: Path | None
+  model: Callable[[int | None], Model]
+
+
+def language_model(config, workdir=None, num_loops: int | None = None):
+  """The `LanguageModel` that `config` opens: `model.hf_dir`, or the run in
+  `workdir`; at `num_loops` recurrences (default: model.num_loops). Every
+  input is checked (ConfigError) before a weight is read."""
+  if pretrained(config):
+    return _pretrained(config, num_loops)
+  path = Path(workdir).expanduser() / "tokenizer.json"
+  if not path.is_file():
+    raise ConfigError(f"--workdir={workdir}: no tokenizer.json; is it an LM run?")
+  task = lm.without_streams(config.data, path.read_text())
+  bos = config.data.bos
+  text = Text(
+    task.tokenizer_json, [task.bos_id] if bos else [],
+    task.bos_id if bos else task.eos_id, task.eos_id, task.seq_len,
+  )  # fmt: skip
+  return LanguageModel(
+    str(workdir), config.model, num_loops or config.model.num_loops, text, None,
+    lambda step=None: from_checkpoint(config, workdir, step, task=task)[1],
+  )  # fmt: skip
+
+
+def _pretrained(config, num_loops):
+  """`language_model` of `model.hf_dir`: its config.json and tokenizer read."""
+  m, split = config.model, load.split(config)
+  _, _, cfg, vocab, max_len = load.resolve(
+    m.hf_dir, m, split, num_loops or m.num_loops, m.dtype, weights=False
   )
+  path = Path(m.hf_dir).expanduser()
+  tok = _tokenizer(path, vocab)
+  _, bos, eos = lm.special_ids(tok, f"{m.hf_dir}/tokenizer.json")
+
+  def weights(step=None):
+    del step  # a directory has one
+    rules = tuple(config.sharding.rules)
+    mesh = sharding.make_mesh(config.mesh)
+    return load.load(
+      m.hf_dir, m, split, cfg.num_loops, m.dtype, mesh=mesh, rules=rules
+    )[1]
+
+  text = Text(tok, [], bos, eos, max_len)
+  return LanguageModel(m.hf_dir, cfg, cfg.num_loops, text, path, weights)
+
+
+def _tokenizer(path: Path, vocab_size: int) -> str:
+  """The directory's tokenizer.json, whose vocabulary must fit the embedding."""
+  file = path / "tokenizer.json"
+  if not file.is_file():
+    raise ConfigError(f"model.hf_dir: {path} has no tokenizer.json")
+  text = file.read_text()
+  try:
+    n = lm.tokenizer_from_json(text).get_vocab_size()
+  except Exception as e:  # not a tokenizer.json
+    raise ConfigError(
+      f"{file}: does not load as a tokenizer ({type(e).__name__})"
+    ) from None
+  if n > vocab_size:
+    raise ConfigError(
+      f"{file}: its {n} tokens do not fit the model's {vocab_size}-row embedding "
+      "(a tokenizer from another model?)"
+    )
+  return text
+
+
+def abstract(config, mesh):
+  """(model config, Model, vocab size) of `model.hf_dir`'s config.json alone:
+  every param a ShapeDtypeStruct sharded on `mesh` by the config's rules
+  (ahead-of-time compiles, random weights)."""
+  m, rules = config.model, tuple(config.sharding.rules)
+  split = load.split(config)
+  cfg, model = load.abstract(m.hf_dir, m, mesh, rules, split, m.num_loops, m.dtype)
+  vocab = load.resolve(m.hf_dir, m, split, m.num_loops, m.dtype, weights=False)[3]
+  return cfg, model, vocab

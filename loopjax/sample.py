@@ -29,9 +29,11 @@ def main(argv):
   workdir = cli.workdir(argv)
   try:
     config = cli.config(workdir)
-    if not config.model.hf_dir:  # a pretrained model records no run
-      Workdir(workdir).check(config)
+    from loopjax import restore
     from loopjax import task as task_lib
+
+    if not restore.pretrained(config):  # a pretrained model records no run
+      Workdir(workdir).check(config)
 
     text = task_lib.for_config(config).sample(
       config, workdir, FLAGS.prompt, step=FLAGS.step, num_loops=FLAGS.num_loops,

@@ -128,7 +128,7 @@ def test_multiple_choice_loglikelihoods_are_a_direct_forwards(at_r4):
   record has every request at R."""
   model, out, lines = at_r4
   _, direct = load(FIXTURE, config_lib.base().model, None, 4)
-  bos = model.scorer.prefix_ids[0]
+  bos = model.scorer.start_id
   assert model.tok_encode("how many")[0] == bos  # <s>, as the tokenizer adds it
   assert model.tok_encode("<s> how many")[:2] == [bos, model.tok_encode("how")[1]]
   for s in out["samples"]["toy_mc"]:

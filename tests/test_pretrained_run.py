@@ -68,7 +68,7 @@ def test_greedy_sampling_continues_as_the_full_forward_would():
   text = sample.sample(c, None, "how many apples", max_new_tokens=5, temperature=0.0)
   tok = (FIXTURES / "ouro" / "tokenizer.json").read_text()
   prompt = lm.encode(tok, "how many apples")  # <s> and 3 words
-  _, model = restore.from_hf_dir(c)
+  model = restore.language_model(c).model()
   tokens = np.asarray([prompt + generate(model, [prompt], 5, num_loops=4).tokens[0]])
   decoded = lm.tokenizer_from_json(tok).decode(list(map(int, tokens[0])), True)
   assert text == decoded and tokens.shape == (1, 9)
@@ -194,7 +194,7 @@ def test_aot_reports_a_pretrained_models_memory_from_its_config_alone(tmp_path):
     next(v for k, v in r["passes"].items() if k.startswith("analysis, 6 iterations"))
     for r in reports
   )
-  _, model = restore.from_hf_dir(config("huginn", "huginn"))
+  model = restore.language_model(config("huginn", "huginn")).model()
   sizes = [x.size for x in jax.tree.leaves(model.params)]
   assert reports[0]["params"] == sum(sizes)  # every param, none twice
   assert 2.5 < one["arguments"] / four["arguments"] <= 4.0
@@ -297,3 +297,23 @@ def test_an_answer_is_right_when_its_last_number_is_the_golds(tmp_path):
   assert [r["correct"] for r in rows] == [True, False]
   assert rows[1]["gold"] == f"{int(last) + 1}000"
   assert "| sink_at_R | 0.5 | 0.1 |" in (tmp_path / "answers.md").read_text()
+
+
+def test_one_prefix_rule_for_runs_and_pretrained_directories(tmp_path):
+  """`restore.Text`: a data.bos run's texts start with <bos>, one without
+  with nothing (an empty text with <eos>); a pretrained tokenizer writes its
+  own <bos> (an empty text starts with it)."""
+  from experiments import lm as lm_experiment
+  from loopjax.data import lm
+
+  tok = (FIXTURES / "huginn" / "tokenizer.json").read_text()
+  (tmp_path / "tokenizer.json").write_text(tok)
+  _, bos, eos = lm.special_ids(tok, "tokenizer.json")
+  c = lm_experiment.get_config("tiny")
+  for on, prefix, start in ((True, [bos], bos), (False, [], eos)):
+    c.data.bos = on
+    text = restore.language_model(c, tmp_path).text
+    assert (text.prefix_ids, text.start_id, text.eos_id) == (prefix, start, eos)
+  opened = restore.language_model(restore.pretrained_config(FIXTURES / "huginn"))
+  assert (opened.text.prefix_ids, opened.text.start_id) == ([], bos)
+  assert opened.num_loops == 4  # 0: the directory's own (mean_recurrence)

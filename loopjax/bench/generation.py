@@ -18,16 +18,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from loopjax import restore
 from loopjax.lm import generate as gen
-from loopjax.pretrained import load
 from loopjax.state import Model, build_model
 
 
 def _model(config) -> tuple[Model, int]:
-  """(Model, vocab size) from `model.hf_dir` or random at the config's shapes."""
+  """(Model, vocab size): the pretrained directory's, placed on the run's mesh
+  (`restore.language_model`), or random at the config's shapes."""
   m = config.model
-  if m.hf_dir:
-    _, model = load.load(m.hf_dir, m, None, m.num_loops, m.dtype)
+  if restore.pretrained(config):
+    model = restore.language_model(config).model()
     return model, model.module().unembedding.shape[-1]
   V = config.data.vocab_size
   module = build_model(m, V, config.data.seq_len, seed=config.seed)

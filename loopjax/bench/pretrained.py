@@ -1,6 +1,6 @@
 """`python -m loopjax.bench pretrained`: a pretrained family at full size with
-random weights (`model.hf_dir`: config.json is all it reads, e.g.
-experiments/hf_shapes/huginn-0125), placed by the run's sharding rules and
+random weights (`restore.abstract` of `model.hf_dir`: config.json is all it
+reads, e.g. experiments/hf_shapes/huginn-0125), placed by the run's sharding rules and
 run as `--mode=analyze` and sampling's prefill run it: the forward at
 model.num_loops recurrences and the streamed analysis pass to
 analyze.max_depth, over analyze.batch_size prompts of data.seq_len tokens.
@@ -14,21 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import sharding
+from loopjax import restore, sharding
 from loopjax.analysis import depth_scan
 from loopjax.bench import measure
-from loopjax.pretrained import load
 from loopjax.state import Model
 
 
 def random_model(config):
-  """(model config, Model): config.json's shapes, random weights made on the
-  devices where the rules put them (norm scales one, the rest N(0, 0.02^2))."""
-  m, rules = config.model, tuple(config.sharding.rules)
-  mesh = sharding.make_mesh(config.mesh)
-  cfg, shapes = load.abstract(
-    m.hf_dir, m, mesh, rules, load.split(config), m.num_loops, m.dtype
-  )
+  """(model config, Model, vocab size): config.json's shapes, random weights
+  made on the devices where the rules put them (norm scales one, the rest
+  N(0, 0.02^2))."""
+  cfg, shapes, vocab = restore.abstract(config, sharding.make_mesh(config.mesh))
   leaves, tree = jax.tree.flatten(shapes.params)
 
   def init(key):
@@ -41,7 +37,8 @@ def random_model(config):
     ]
 
   out = jax.jit(init, out_shardings=[x.sharding for x in leaves])(jax.random.key(0))
-  return cfg, Model(shapes.graphdef, jax.tree.unflatten(tree, out), shapes.dtype)
+  model = Model(shapes.graphdef, jax.tree.unflatten(tree, out), shapes.dtype)
+  return cfg, model, vocab
 
 
 def _timed_pass(fn, *args, prompts: int) -> dict:
@@ -64,12 +61,11 @@ def _timed_pass(fn, *args, prompts: int) -> dict:
 
 def bench(config) -> dict:
   t = time.perf_counter()
-  cfg, model = random_model(config)
+  cfg, model, V = random_model(config)
   jax.block_until_ready(model.params)
   place_s = time.perf_counter() - t
   B, T, depth = config.analyze.batch_size, config.data.seq_len, config.analyze.max_depth
   rng = np.random.default_rng(0)
-  V = load.resolve(config.model.hf_dir, config.model, weights=False)[3]
   tokens = rng.integers(0, V, (B, T + 1)).astype(np.int32)
   batch = {
     "inputs": tokens[:, :-1],
@@ -90,7 +86,7 @@ def bench(config) -> dict:
       return depth_scan.run(model.module(), batch, depth, key)
 
   out = {
-    "hf_dir": config.model.hf_dir,
+    "hf_dir": restore.name(config),
     "dtype": config.model.dtype,
     "params": sum(x.size for x in jax.tree.leaves(model.params)),
     "batch": [B, T],

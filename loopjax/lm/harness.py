@@ -37,6 +37,8 @@ from loopjax.field_rules import ENUMS
 from loopjax.lm import scoring
 from loopjax.lm.generate import Exit
 
+MAX_GEN_TOKS = 256  # new tokens where a task does not say (the harness's hf model's)
+
 
 def _count(name: str, value, least: int = 1):
   """`value` as an integer >= `least` (None stays None), else one line."""
@@ -100,7 +102,7 @@ class LoopjaxLM(TemplateLM):
     batch_size: int | str = 8,
     dtype: str = "float32",
     max_length: int | None = None,
-    max_gen_toks: int = 256,
+    max_gen_toks: int = MAX_GEN_TOKS,
     add_bos_token: bool | None = None,
     seed: int = 0,
     record: str | None = None,
@@ -116,10 +118,23 @@ class LoopjaxLM(TemplateLM):
       dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
       seed=seed,
     )  # fmt: skip
+    self._use(loaded, max_gen_toks, add_bos_token, record)
+
+  @classmethod
+  def of(cls, loaded: scoring.Loaded) -> "LoopjaxLM":
+    """The harness's model around an opened one (`run`: from a config), with
+    the constructor's defaults."""
+    self = cls.__new__(cls)
+    TemplateLM.__init__(self)
+    self._use(loaded)
+    return self
+
+  def _use(self, loaded, max_gen_toks=MAX_GEN_TOKS, add_bos_token=None, record=None):
+    """What both constructors set: the scorer and how text reaches it."""
     self.scorer, self.name = loaded.scorer, loaded.name
     self.max_gen_toks, self.add_bos_token = max_gen_toks, add_bos_token
     # <bos> as text (a chat template writes it): not added twice
-    prefix = self.scorer.tok.decode(self.scorer.prefix_ids, skip_special_tokens=False)
+    prefix = self.scorer.tok.decode([self.scorer.start_id], skip_special_tokens=False)
     self.bos_text = prefix or None
     self.template, self.specials = loaded.chat_template, loaded.specials
     if self.template is not None:
@@ -134,7 +149,7 @@ class LoopjaxLM(TemplateLM):
 
   @property
   def prefix_token_id(self) -> int:
-    return self.scorer.prefix_ids[0]
+    return self.scorer.start_id
 
   @property
   def tokenizer_name(self) -> str:
@@ -167,7 +182,7 @@ class LoopjaxLM(TemplateLM):
     if bos is None:
       return self.scorer.encode(string, special=True)
     ids = self.scorer.encode(string)
-    return self.scorer.prefix_ids + ids if bos else ids
+    return [self.scorer.start_id] + ids if bos else ids
 
   def tok_decode(self, ids, **kw) -> str:
     return self.scorer.decode(ids)
@@ -285,9 +300,10 @@ def run(
   **harness_kw,
 ):
   """`python -m loopjax.lm_eval`: the harness's `tasks` at each of `recurrences`
-  (default: the config's R) on `model.hf_dir` or the run in `workdir` (its
-  checkpoint at `step`); results under workdir/lm_eval (r{R}.json, each
-  request's recurrences in requests_r{R}.jsonl, table.md). `harness_kw`:
+  (default: the config's R) on the model `config` opens (a pretrained
+  directory, or the run in `workdir` at `step`: `restore.language_model`);
+  results under workdir/lm_eval (r{R}.json, each request's recurrences in
+  requests_r{R}.jsonl, table.md). `harness_kw`:
   num_fewshot, limit, apply_chat_template (`simple_evaluate`'s)."""
   from lm_eval import simple_evaluate
   from lm_eval.tasks import TaskManager
@@ -300,15 +316,10 @@ def run(
       "(`lm_eval ls tasks` lists the harness's; local YAML tasks: --include_path)"
     )
   out = Path(workdir).expanduser() / "lm_eval"
-  source = (
-    {"hf_dir": config.model.hf_dir}
-    if config.model.hf_dir
-    else {"workdir": str(workdir), "step": step}
+  rule = Exit.of(exit, threshold) if exit else None
+  model = LoopjaxLM.of(
+    scoring.opened(config, workdir, step=step, exit=rule, batch_size=batch_size)
   )
-  model = LoopjaxLM(
-    **source, num_loops=config.model.num_loops, exit=exit, threshold=threshold,
-    dtype=config.model.dtype, batch_size=batch_size,
-  )  # fmt: skip
   Rs = list(recurrences or (model.scorer.num_loops,))
   model.scorer.depths = tuple(sorted(set(Rs)))  # log-likelihoods: one pass
   table = {}

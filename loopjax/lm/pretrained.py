@@ -24,8 +24,9 @@ from loopjax.workdir import Workdir, write_atomic
 
 
 def prepare(config, workdir):
-  """(task, prompts): the directory's config, tokenizer and prompts and the
-  workdir checked, before any weight is read or anything compiles."""
+  """(the opened model, task, prompts): the directory's config, tokenizer and
+  prompts and the workdir checked, before any weight is read or anything
+  compiles."""
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
   if config.data.answer_field:
     prompts_lib.answers(config.data.source, config.data.answer_field)  # checked
@@ -34,25 +35,26 @@ def prepare(config, workdir):
         "data.answer_field: answers are scored beside the streamed analyses; "
         f"add one of {', '.join(LM_STREAMED)} to analyze.names"
       )
-  _, _, cfg, vocab_size, _ = prompts_lib.shape(config)
+  opened = restore.language_model(config)
+  cfg = opened.cfg
   if config.data.answer_field and not 2 <= cfg.num_loops <= config.analyze.max_depth:
     raise ConfigError(
       "data.answer_field: each answer's statistics are read at R "
       f"({cfg.num_loops}), which must be 2 .. analyze.max_depth "
       f"({config.analyze.max_depth})"
     )
-  task = prompts_lib.lm_data(config, prompts_lib.tokenizer(config, vocab_size), prompts)
-  h, m = config.analyze.halting, config.model
+  task = prompts_lib.lm_data(config, opened.text.tokenizer_json, prompts)
+  h = config.analyze.halting
   names = config_lib.analyses(config)
   if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
     raise ConfigError(
       "analyze.halting.criteria: 'gate' reads an exit gate (Ouro's); "
-      f"{m.hf_dir} has none"
+      f"{opened.name} has none"
     )
   wd = Workdir(workdir)
   wd.check(config)
   wd.check_writable()
-  return task, prompts
+  return opened, task, prompts
 
 
 def analyze(config, workdir) -> list[Path]:
@@ -61,21 +63,21 @@ def analyze(config, workdir) -> list[Path]:
   workdir/analysis; with `analyze.baseline_dir`, a feedforward model's stages
   on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
   baseline = _baseline_config(config)
-  task, prompts = prepare(config, workdir)
-  base_task = baseline and prompts_lib.lm_data(
-    baseline, prompts_lib.tokenizer(baseline), prompts
-  )
-  cfg, model = restore.from_hf_dir(config)  # every tensor checked: then the record
+  opened, task, prompts = prepare(config, workdir)
+  base = baseline and restore.language_model(baseline)
+  base_task = base and prompts_lib.lm_data(baseline, base.text.tokenizer_json, prompts)
+  model = opened.model()  # every tensor checked: then the record
   write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
   field = config.data.answer_field
   golds = field and prompts_lib.answers(config.data.source, field)
-  written = _run(config, cfg, model, task, prompts, out, golds or None)
+  written = _run(config, opened.cfg, model, task, prompts, out, golds or None)
   if baseline is None:
     return written
   del model  # one model in memory at a time
-  cfg, model = restore.from_hf_dir(baseline)
-  written += _run(baseline, cfg, model, base_task, prompts, out / "baseline")
+  written += _run(
+    baseline, base.cfg, base.model(), base_task, prompts, out / "baseline"
+  )
   looped, fed = (
     json.loads((d / "stages.json").read_text()) for d in (out, out / "baseline")
   )
@@ -119,8 +121,7 @@ def _baseline_config(config):
     raise ConfigError(
       "analyze.baseline_dir: compares stages; add 'stages' to analyze.names"
     )
-  b = _over_base(config)
-  b.model.update(hf_dir=path, hf_split="", num_loops=1)
+  b = restore.pretrained_config(path, _over_base(config), hf_split="", num_loops=1)
   b.analyze.update(names=("stages",), max_depth=1, baseline_dir="")
   hf, family, *_ = resolve(path, b.model, weights=False)
   if family is not llama:

@@ -1,5 +1,5 @@
-"""Prompts for a pretrained model (`data.source=prompts:FILE`) and its
-tokenizer (the model directory's tokenizer.json).
+"""Prompts for a pretrained model (`data.source=prompts:FILE`), read by its
+tokenizer (`restore.language_model`'s).
 
 FILE is a text file, one prompt per non-empty line, or JSONL, one object per
 line with the prompt under `data.text_field` (GSM8K's files: "question").
@@ -17,40 +17,6 @@ import numpy as np
 
 from loopjax.data import lm
 from loopjax.errors import ConfigError
-from loopjax.pretrained.load import resolve, split
-
-
-def tokenizer_json(hf_dir, vocab_size: int) -> str:
-  """The directory's tokenizer.json, whose vocabulary must fit the embedding."""
-  path = Path(hf_dir).expanduser() / "tokenizer.json"
-  if not path.is_file():
-    raise ConfigError(f"model.hf_dir: {path.parent} has no tokenizer.json")
-  text = path.read_text()
-  try:
-    n = lm.tokenizer_from_json(text).get_vocab_size()
-  except Exception as e:  # not a tokenizer.json
-    raise ConfigError(
-      f"{path}: does not load as a tokenizer ({type(e).__name__})"
-    ) from None
-  if n > vocab_size:
-    raise ConfigError(
-      f"{path}: its {n} tokens do not fit the model's {vocab_size}-row embedding "
-      "(a tokenizer from another model?)"
-    )
-  return text
-
-
-def shape(config):
-  """`resolve` of `model.hf_dir` from its config.json alone (no weight read)."""
-  m = config.model
-  return resolve(m.hf_dir, m, split(config), m.num_loops, weights=False)
-
-
-def tokenizer(config, vocab_size: int | None = None) -> str:
-  """`model.hf_dir`'s tokenizer.json, checked against the embedding that
-  config.json gives (`vocab_size`, if already read; the weights not read)."""
-  vocab_size = shape(config)[3] if vocab_size is None else vocab_size
-  return tokenizer_json(config.model.hf_dir, vocab_size)
 
 
 def read(source: str, field: str) -> list[str]:

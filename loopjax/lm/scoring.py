@@ -18,13 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import config as config_lib
 from loopjax import halting, recurrence, restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
-from loopjax.lm import prompts
 from loopjax.lm.generate import Exit, generate
-from loopjax.pretrained import load as hf_load
 from loopjax.state import Model
 from loopjax.workdir import Workdir
 
@@ -98,28 +95,26 @@ def _bucket(n: int, most: int) -> int:
 
 
 class Scorer:
-  """`model` read through `tokenizer_json`, at `num_loops` recurrences (the
-  most, with an `exit` rule). `prefix_ids`: what an empty context starts
-  from (the model's <bos>); `max_length`: the positions it has."""
+  """`model` reading and writing `text` (`restore.Text`: an empty context
+  starts from its `start_id`), at `num_loops` recurrences (the most, with an
+  `exit` rule); `max_length`: the positions it is given."""
 
   def __init__(
     self,
     model: Model,
-    tokenizer_json: str,
+    text: restore.Text,
     *,
     num_loops: int,
     depths: tuple[int, ...] = (),
-    max_length: int,
-    prefix_ids: list[int],
-    eos_id: int | None,
+    max_length: int | None = None,
     batch_size: int = 8,
     exit: Exit | None = None,
     seed: int = 0,
   ):
     self.model, self.num_loops, self.exit = model, num_loops, exit
-    self.tok = lm.tokenizer_from_json(tokenizer_json)
-    self.max_length, self.batch_size = max_length, batch_size
-    self.prefix_ids, self.eos_id, self.seed = prefix_ids, eos_id, seed
+    self.tok = lm.tokenizer_from_json(text.tokenizer_json)
+    self.max_length, self.batch_size = max_length or text.max_length, batch_size
+    self.start_id, self.eos_id, self.seed = text.start_id, text.eos_id, seed
     # With `depths` (and no exit rule), a log-likelihood is computed at every
     # depth in one pass and kept: a later call at another of them reads it.
     self.depths, self._kept = tuple(depths), {}
@@ -151,7 +146,7 @@ class Scorer:
     for context, continuation in requests:
       if not continuation:
         raise ValueError("loglikelihood: an empty continuation has nothing to score")
-      ids = ((context or self.prefix_ids) + continuation)[-(self.max_length + 1) :]
+      ids = ((context or [self.start_id]) + continuation)[-(self.max_length + 1) :]
       rows.append((ids[:-1], ids[1:], len(continuation)))
     out = [[None] * len(rows) for _ in depths or (None,)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
@@ -203,7 +198,7 @@ class Scorer:
     room = max(1, self.max_length - max_new_tokens)
     for at in range(0, len(order), self.batch_size):
       chunk = order[at : at + self.batch_size]
-      prompts = [(contexts[i] or self.prefix_ids)[-room:] for i in chunk]
+      prompts = [(contexts[i] or [self.start_id])[-room:] for i in chunk]
       # a full batch, its length bucketed: few programs to compile
       slots = _bucket(len(prompts[0]), room)
       g = generate(
@@ -240,56 +235,50 @@ def load(
   step: int | None = None,
   num_loops: int | None = None,
   dtype: str = "float32",
-  max_length: int | None = None,
   **scorer_kw,
 ) -> Loaded:
-  """A pretrained directory (`hf_dir`) or a loopjax run's checkpoint
-  (`workdir`, at `step`; default the newest) as a `Scorer`, every input
-  checked (ConfigError) before a weight is read."""
-
+  """A pretrained directory (`hf_dir`, in `dtype`) or a loopjax run's
+  checkpoint (`workdir`, at `step`; default the newest) as a `Scorer`
+  (`opened`)."""
   if (hf_dir is None) == (workdir is None):
     raise ConfigError("model_args: give one of hf_dir=DIR or workdir=DIR")
-  rule = scorer_kw.get("exit")
   if hf_dir is not None:
-    base = config_lib.base().model
-    _, _, cfg, vocab, max_len = hf_load.resolve(
-      hf_dir, base, None, num_loops, dtype, weights=False
-    )
-    if rule is not None and rule.criterion == "gate" and not cfg.exit_gate:
-      raise ConfigError(f"exit: 'gate' reads an exit gate (Ouro's); {hf_dir} has none")
-    tok = prompts.tokenizer_json(hf_dir, vocab)
-    _, bos, eos = lm.special_ids(tok, f"{hf_dir}/tokenizer.json")
-    template, specials = chat_template(hf_dir)
-    _, model = hf_load.load(hf_dir, base, None, num_loops, dtype)
-    scorer = Scorer(
-      model, tok, num_loops=cfg.num_loops, max_length=max_length or max_len,
-      prefix_ids=[bos], eos_id=eos, **scorer_kw,
-    )  # fmt: skip
-    return Loaded(scorer, str(hf_dir), template, specials)
-  path = Path(workdir).expanduser() / "tokenizer.json"
+    config = restore.pretrained_config(hf_dir, dtype=dtype)
+    return opened(config, step=step, num_loops=num_loops, **scorer_kw)
   config = Workdir(Path(workdir).expanduser()).saved_config()
-  if config is None or not path.is_file():
+  if config is None or not (Path(workdir).expanduser() / "tokenizer.json").is_file():
     raise ConfigError(
       f"model_args: workdir={workdir} is not a language-model run "
       "(it needs config.json and tokenizer.json)"
     )
-  task = lm.without_streams(config.data, path.read_text())
-  _, model, _ = restore.from_checkpoint(config, workdir, step, task=task)
+  return opened(config, workdir, step=step, num_loops=num_loops, **scorer_kw)
+
+
+def opened(
+  config, workdir=None, *, step=None, num_loops=None, max_length=None, **scorer_kw
+) -> Loaded:
+  """The language model `config` opens (`restore.language_model`) as a
+  `Scorer`, every input checked (ConfigError) before a weight is read."""
+  source = restore.language_model(config, workdir, num_loops)
+  rule = scorer_kw.get("exit")
+  if rule is not None and rule.criterion == "gate" and not source.cfg.exit_gate:
+    raise ConfigError(
+      f"exit: 'gate' reads an exit gate (Ouro's); {source.name} has none"
+    )
+  template, specials = chat_template(source.directory)
   scorer = Scorer(
-    model, task.tokenizer_json, num_loops=num_loops or config.model.num_loops,
-    max_length=max_length or task.seq_len,
-    prefix_ids=[task.bos_id if config.data.bos else task.eos_id],
-    eos_id=task.eos_id, **scorer_kw,
+    source.model(step), source.text, num_loops=source.num_loops,
+    max_length=max_length, **scorer_kw,
   )  # fmt: skip
-  return Loaded(scorer, str(workdir))
+  return Loaded(scorer, source.name, template, specials)
 
 
-def chat_template(hf_dir) -> tuple[str | None, dict]:
-  """tokenizer_config.json's chat template (the default one of several) and
-  the special tokens it may name; (None, {}) where the model has none."""
-
-  path = Path(hf_dir).expanduser() / "tokenizer_config.json"
-  if not path.is_file():
+def chat_template(directory: Path | None) -> tuple[str | None, dict]:
+  """A pretrained directory's tokenizer_config.json's chat template (the
+  default one of several) and the special tokens it may name; (None, {})
+  where the model has none (a run's never has)."""
+  path = directory and directory / "tokenizer_config.json"
+  if path is None or not path.is_file():
     return None, {}
   try:
     cfg = json.loads(path.read_text())
