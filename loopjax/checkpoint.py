@@ -15,6 +15,7 @@ import contextlib
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import jax
@@ -142,6 +143,8 @@ def restore(
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   failed = []
   for s in steps:
+    if step is None and not (Path(str(mngr.directory)) / str(s)).is_dir():
+      continue  # deleted since the list was read (a trainer's keep policy)
     # Checkpoints written before checksums existed restore unverified.
     has_meta = (Path(str(mngr.directory)) / str(s) / "meta").is_dir()
     items = {
@@ -171,6 +174,20 @@ def restore(
       f"{failed[0][1]}); nothing was changed. Move them away to start afresh"
     )
   return None, None
+
+
+def steps(mngr: ocp.CheckpointManager, tries: int = 5) -> list[int]:
+  """The complete checkpoints on disk now, oldest first. A trainer's keep
+  policy may delete one while the list is read (orbax then raises
+  FileNotFoundError): it is read again."""
+  for attempt in range(tries):
+    try:
+      mngr.reload()
+      return sorted(mngr.all_steps())
+    except FileNotFoundError:
+      if attempt == tries - 1:
+        raise
+      time.sleep(0.05 * 2**attempt)
 
 
 def verify(state, saved: dict[str, int], step: int) -> None:

@@ -62,8 +62,7 @@ class Reader:
 
   def steps(self) -> list[int]:
     """The complete checkpoints on disk now, oldest first."""
-    self.mngr.reload()
-    return sorted(self.mngr.all_steps())
+    return checkpoint.steps(self.mngr)
 
   def model(self, step: int | None = None) -> tuple[Model, int]:
     """(the model at `step`, default the newest good one; its step)."""

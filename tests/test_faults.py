@@ -187,6 +187,38 @@ def test_diverging_run_stops_and_keeps_its_good_checkpoints(tmp_path, straight):
     assert checkpoint.digest(_restore(config, workdir, step))[1], step
 
 
+def test_a_checkpoint_deleted_under_a_reader_is_skipped_quietly(
+  straight, tmp_path, capsys, monkeypatch
+):
+  """A trainer's keep policy deletes checkpoints while an evaluation lists
+  and reads them: the listing is read again, a deleted one is passed over
+  without a word, and the newest left is the one read."""
+  from loopjax import data, restore
+
+  config, done = straight
+  workdir = tmp_path / "run"
+  shutil.copytree(done, workdir)
+  reader = restore.Reader(config, workdir, data.load(config.data))
+  try:
+    assert reader.steps()[-1] == 120
+    shutil.rmtree(workdir / "checkpoints" / "120")  # orbax's list still has it
+    capsys.readouterr()
+    assert reader.model()[1] == 100
+    assert "damaged" not in capsys.readouterr().out
+    calls, all_steps = [], reader.mngr.all_steps
+
+    def racing():  # the list read while the keep policy deletes: twice
+      calls.append(1)
+      if len(calls) <= 2:
+        raise FileNotFoundError("checkpoints/20/_CHECKPOINT_METADATA")
+      return all_steps()
+
+    monkeypatch.setattr(reader.mngr, "all_steps", racing)
+    assert reader.steps() == [20, 40, 60, 80, 100] and len(calls) == 3
+  finally:
+    reader.close()
+
+
 def _restore(config, workdir, step):
   from loopjax import data
 
