@@ -16,6 +16,7 @@ from loopjax import config as config_lib
 from loopjax import restore
 from loopjax.errors import ConfigError
 from loopjax.lm import pretrained, sample
+from loopjax.pretrained import load
 from tests.conftest import run as run_cmd
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
@@ -55,6 +56,19 @@ def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   c2 = config("huginn", "huginn", num_loops=8)  # the workdir holds another run
   with pytest.raises(ConfigError, match="holds a run with another config"):
     pretrained.analyze(c2, tmp_path)
+
+
+def test_a_sample_past_the_models_reach_is_refused_before_a_weight_is_read(
+  monkeypatch,
+):
+  """100,000 new tokens from a RoPE model (the fixture: a 64-token context; it
+  generated until killed): one line at once, no weight read."""
+  c = config("ouro", "ouro")
+  monkeypatch.setattr(load, "load", lambda *a, **k: pytest.fail("weights read"))
+  opened = restore.language_model(c)
+  reach = sample.RELATIVE_REACH * opened.text.max_length
+  with pytest.raises(ConfigError, match=rf"exceed {reach} positions \(4 x the"):
+    sample.sample(c, None, "how many apples", max_new_tokens=100_000)
 
 
 def test_greedy_sampling_continues_as_the_full_forward_would():

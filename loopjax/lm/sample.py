@@ -23,15 +23,7 @@ def sample(
       "--prompt: encodes to no token, and the model puts none before a text: "
       "nothing to continue"
     )
-  if (
-    opened.cfg.pos_encoding in ("learned", "sinusoidal")
-    and len(ids) + max_new_tokens - 1 > text.max_length  # the last is never fed back
-  ):
-    raise ConfigError(
-      f"--max_new_tokens: the prompt ({len(ids)} tokens) and {max_new_tokens} new "
-      f"tokens exceed the {text.max_length} positions of a "
-      f"{opened.cfg.pos_encoding}-position model"
-    )
+  _check_length(len(ids), max_new_tokens, text.max_length, opened.cfg.pos_encoding)
   out = generate(
     opened.model(step),
     [ids],
@@ -42,3 +34,26 @@ def sample(
   )
   skip = len(text.prefix_ids)  # the prompt as given, and what followed it
   return lm.decode(text.tokenizer_json, np.asarray(ids[skip:] + out.tokens[0]))
+
+
+# Relative positions (RoPE, none) run past the trained context, up to this
+# many times it: beyond, a sample is both far outside what the model learned
+# and a long wait (one call per token, the cache growing with each).
+RELATIVE_REACH = 4
+
+
+def _check_length(prompt: int, new: int, trained: int, pos_encoding: str) -> None:
+  """Refuses a prompt and new tokens past the positions the model has: its
+  table (learned, sinusoidal), else RELATIVE_REACH times its context."""
+  absolute = pos_encoding in ("learned", "sinusoidal")
+  limit = trained if absolute else RELATIVE_REACH * trained
+  if prompt + new - 1 > limit:  # the last new token is never fed back
+    has = (
+      f"the {trained} positions of a {pos_encoding}-position model"
+      if absolute
+      else f"{limit} positions ({RELATIVE_REACH} x the model's {trained}-token context)"
+    )
+    raise ConfigError(
+      f"--max_new_tokens: the prompt ({prompt} tokens) and {new} new tokens "
+      f"exceed {has}"
+    )
