@@ -1,5 +1,7 @@
 """The language-model task's data: corpora, tokenizer, storage, packing, errors."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -15,6 +17,23 @@ def test_tokenizer_round_trip_and_training_is_deterministic(lm_config):
   text = "def total(x):\n    return x + 1  # ünïcode, tabs\t and bytes\n"
   assert lm.decode(a, lm.encode(a, text)) == text  # byte-level: any text
   assert lm.tokenizer_from_json(a).get_vocab_size() == 300
+
+
+def test_a_line_without_whitespace_trains_in_bounded_pieces(lm_config, capsys):
+  """BPE's time grows with the square of a word's length (400 KB: 81 s, 10
+  MB: past 600 s): a run longer than LONGEST_WORD is learned from in pieces,
+  and a corpus without one trains the tokenizer it did before."""
+  docs = corpus.load(lm_config.data).docs
+  text = "ab" * 1_000_000  # 2 MB, one pre-token
+  pieces = list(lm._bounded("x y " + text + " z", runs := []))
+  assert "".join(pieces) == "x y " + text + " z" and runs == [len(text)]
+  assert max(map(len, pieces)) <= lm.LONGEST_WORD + 4
+  assert list(lm._bounded(docs[0][1], [])) == [docs[0][1]]
+  start = time.monotonic()
+  tok = lm.train_tokenizer([*docs, ("long", text)], 300)
+  assert time.monotonic() - start < 60  # unbounded: hours
+  assert "1 run(s) without whitespace (longest 2,000,000" in capsys.readouterr().out
+  assert lm.decode(tok, lm.encode(tok, text[:5000])) == text[:5000]
 
 
 def test_dataset_is_stored_once_and_reads_back_the_same(lm_config, tmp_path):

@@ -20,6 +20,7 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
+import re
 from pathlib import Path
 
 import numpy as np
@@ -101,8 +102,35 @@ def train_tokenizer(docs, vocab_size: int) -> str:
     initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     show_progress=False,
   )
-  tok.train_from_iterator((text for _, text in docs), trainer=trainer)
+  split = []
+  tok.train_from_iterator(
+    (piece for _, text in docs for piece in _bounded(text, split)), trainer=trainer
+  )
+  if split:
+    print(
+      f"tokenizer: {len(split)} run(s) without whitespace (longest "
+      f"{max(split):,} characters) learned from in {LONGEST_WORD:,}-character pieces"
+    )
   return tok.to_str()
+
+
+# BPE's training time grows with the square of a pre-token's length (a 10 MB
+# line without whitespace: past 600 s); no word of a text is this long.
+LONGEST_WORD = 1000
+
+
+def _bounded(text: str, split: list):
+  """`text` for the BPE trainer, a run of non-whitespace longer than
+  LONGEST_WORD cut into pieces of that length (the rest of the text as it is);
+  each such run's length is appended to `split`."""
+  start = 0
+  for run in re.finditer(rf"\S{{{LONGEST_WORD + 1},}}", text):
+    split.append(run.end() - run.start())
+    cuts = range(run.start() + LONGEST_WORD, run.end(), LONGEST_WORD)
+    for cut in cuts:
+      yield text[start:cut]
+      start = cut
+  yield text[start:]
 
 
 def _given_tokenizer(path: str, vocab_size: int) -> str:
