@@ -36,6 +36,17 @@ def test_a_line_without_whitespace_trains_in_bounded_pieces(lm_config, capsys):
   assert lm.decode(tok, lm.encode(tok, text[:5000])) == text[:5000]
 
 
+def test_a_vocabulary_the_corpus_cannot_fill_is_said_and_recorded(lm_config, capsys):
+  lm_config.data.vocab_size = 50_000_000
+  data = lm.read(lm_config.data)
+  assert data.vocab_size < 50_000_000
+  assert data.summary()["vocab_size"] == data.vocab_size
+  assert (
+    f"data: the corpus fills {data.vocab_size:,} of the 50,000,000 tokens "
+    "data.vocab_size asks for"
+  ) in capsys.readouterr().out
+
+
 def test_dataset_is_stored_once_and_reads_back_the_same(lm_config, tmp_path):
   first = lm.read(lm_config.data)
   stored = list((tmp_path / "data" / "lm_tokens").glob("*/1.0.0"))

@@ -343,6 +343,12 @@ def read(data_cfg) -> LmData:
     ),
     align=bool(data_cfg.align),
   )
+  if data.vocab_size < data_cfg.vocab_size:  # BPE ran out of pairs to merge
+    print(
+      f"data: the corpus fills {data.vocab_size:,} of the {data_cfg.vocab_size:,} "
+      f"tokens data.vocab_size asks for; the model has {data.vocab_size:,} "
+      "(dataset.json records it)"
+    )
   for split in streams:
     if data.num_windows(split) < 1:
       raise ConfigError(
