@@ -71,6 +71,31 @@ def _pass_lines(passes: dict, cap) -> list[str]:
   return out
 
 
+def _overflow(report: dict, devices: int) -> str | None:
+  """The line for the pass whose peak memory per device exceeds what a
+  device has (a target's; XLA:CPU devices share this host's memory), naming
+  the fields that drive it; None if every pass fits."""
+  cap, where = report.get("capacity"), report["target"]
+  if cap is None:
+    cap = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
+    where = f"this host's memory / {devices} CPU devices"
+  peaks = {name: mem["peak"] for name, mem in report["passes"].items()}
+  if "memory" in report:
+    peaks["train step"] = report["memory"]["peak"]
+  name = max(peaks, key=peaks.get)
+  if peaks[name] <= cap:
+    return None
+  fields = (
+    "train.batch_size, data.seq_len, mesh, model.remat"
+    if name == "train step"
+    else "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh"
+  )
+  return (
+    f"{fields}: the {name} does not fit {where}: its peak is {_gib(peaks[name])} "
+    f"per device, the device has {_gib(cap)}"
+  )
+
+
 def _pretrained_table(report: dict, name: str, config) -> list[str]:
   """A pretrained model's (the directory `name`) passes as lines."""
   mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
@@ -171,6 +196,8 @@ def main(argv):
     print("\n".join(_pretrained_table(report, restore.name(config), config)))
   else:
     print("\n".join(_table(report)))
+  if (why := _overflow(report, len(devices))) is not None:
+    exit_with(why)
   on_target, remat = target is not None, report["rematerialized"]
   if (why := compiled.refusal(remat, on_target, FLAGS.allow_remat)) is not None:
     exit_with(why, code=1)

@@ -270,6 +270,20 @@ def test_aot_compiles_a_retrofit_from_the_models_config_json_alone(tmp_path):
   assert "['adapter']" in out.stdout  # the concat injection's, beside the Llama's
 
 
+@pytest.mark.slow  # ~12 s of compile
+def test_aot_on_cpu_devices_refuses_a_step_larger_than_the_host():
+  """XLA:CPU compiles any size: a step needing 138 GiB per device (1.1 TB on
+  8) exits 2 naming the fields, against this host's memory."""
+  out = _aot("--devices=8", "--config.train.batch_size=67108864")
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert re.fullmatch(
+    r"error: train\.batch_size, data\.seq_len, mesh, model\.remat: the train step "
+    r"does not fit this host's memory / 8 CPU devices: its peak is [\d.]+ GiB per "
+    r"device, the device has [\d.]+ GiB",
+    out.stderr.strip().splitlines()[-1],
+  ), out.stderr[-2000:]
+
+
 def test_aot_names_a_mesh_that_does_not_fit():
   out = _aot("--devices=8", "--config.mesh.data=3")
   assert out.returncode == 2
