@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from loopjax.analysis import activations, attention, fixed_points, logit_lens
+from loopjax.analysis import activations, attention, fixed_points, logit_lens, registry
+from loopjax.errors import ConfigError
 from loopjax.model import LoopedTransformer
-from loopjax.names import MECHANISTIC
 
 PAD = 9
 
@@ -268,7 +268,7 @@ def test_analyze_and_the_ablation_table(grokking_run):
 
   config, workdir = grokking_run
   config = config.copy_and_resolve_references()
-  config.analyze.names = ("overthinking", *MECHANISTIC)
+  config.analyze.names = ("overthinking", *registry.shared(registry.KG))
   paths = {p.name for p in analyze.analyze(config, workdir)}
   for name in config.analyze.names:
     assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths
@@ -302,3 +302,20 @@ def test_analyze_and_the_ablation_table(grokking_run):
   profile = attn["attention"]["test_inferred_ood"]["profile"]
   shares = np.asarray(profile).mean((0, 1))  # over layers and heads
   assert cells[6] == " ".join(f"{x:.2f}" for x in shares)
+
+
+def test_every_analysis_name_finds_its_record():
+  """The registry's strings (read by config validation) agree with the records
+  they name; a name without one is a one-line ConfigError, not a KeyError."""
+  for table in (registry.KG, registry.LM):
+    for name, entry in table.items():
+      record = registry.record(table, name)
+      assert (record.compute is None) == entry.shared, name
+      assert (record.summarize is not None) == entry.shared, name
+      assert (record.per_example is not None) == (entry.shared and table is registry.KG)
+  with pytest.raises(ConfigError) as e:
+    registry.record(registry.LM, "logit_lens")  # a knowledge graph's only
+  assert str(e.value) == (
+    "analyze.names: each must be one of fixed_points, stages, attention, halting; "
+    "got 'logit_lens'"
+  )

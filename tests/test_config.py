@@ -126,6 +126,10 @@ def test_conflicts_ignore_resumable_fields():
     ("--config.model.no_such_field=1", "error: "),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
     ("--config.eval.depths=abc", "error: eval.depths: a tuple of integers >= 1"),
+    (  # a name without a record in analysis/registry.py
+      "--config.analyze.names=('no_such',)",
+      "error: analyze.names: each must be one of overthinking, halting, logit_lens",
+    ),
   ],
 )
 def test_cli_exits_2_with_one_line(tmp_path, override, message):
