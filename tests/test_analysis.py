@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from loopjax import config as config_lib
 from loopjax.analysis import activations, attention, fixed_points, logit_lens, registry
+from loopjax.analysis.record import Analysis
 from loopjax.errors import ConfigError
 from loopjax.model import LoopedTransformer
 
@@ -319,3 +321,48 @@ def test_every_analysis_name_finds_its_record():
     "analyze.names: each must be one of fixed_points, stages, attention, halting; "
     "got 'logit_lens'"
   )
+
+
+def _toy_table(report):
+  return "| split | norm |\n|---|---|\n" + "".join(
+    f"| {s} | {v:.3f} |\n" for s, v in report["toy"].items()
+  )
+
+
+# A new analysis: this record plus one registry line (monkeypatched in below).
+TOY = Analysis(
+  per_example=lambda model, trace, batch, pad: jnp.linalg.norm(
+    trace["core"]["hidden"][-1, -1], axis=-1
+  ).mean(-1),  # (B,): the last iteration's mean state norm per example
+  summarize=lambda ex, config, split: float(np.mean(ex["toy"])),
+  table=_toy_table,
+  summary=lambda report: f"{len(report['toy'])} splits",
+)
+
+
+def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, capsys):
+  from experiments import sysgen
+  from loopjax import data
+  from loopjax.kg import analyze as analyze_kg
+  from loopjax.state import Model, build_model
+
+  monkeypatch.setitem(
+    registry.KG, "toy", registry.Entry("test_analysis:TOY", shared=True)
+  )
+  c = sysgen.get_config("tiny")
+  c.data.data_dir = str(tmp_path / "data")
+  c.analyze.update(names=("toy",), max_depth=2)
+  config_lib.validate(c)  # the registry line is all validation reads
+  task = data.load(c.data)
+  graphdef, params = nnx.split(
+    build_model(
+      c.model, task.vocab.vocab_size, task.splits["train"]["inputs"].shape[1], 0
+    )
+  )
+  written = analyze_kg.run(
+    c, tmp_path, task, Model(graphdef, params), 0, tmp_path / "out", "id_atomic", False
+  )
+  assert [p.name for p in written] == ["toy.json", "toy.md"]
+  report = json.loads((tmp_path / "out" / "toy.json").read_text())
+  assert report["toy"].keys() == data.probes(task, c.data.train_hops, 1).keys()
+  assert capsys.readouterr().out.endswith(f"toy: {len(report['toy'])} splits\n")
