@@ -15,7 +15,7 @@ import ml_collections
 
 from loopjax import field_rules, task_checks
 from loopjax.errors import ConfigError
-from loopjax.names import HALTING_LTG, LM_STREAMED, MECHANISTIC
+from loopjax.names import HALTING_LTG
 
 
 def base() -> ml_collections.ConfigDict:
@@ -189,7 +189,7 @@ def base() -> ml_collections.ConfigDict:
   # tokens that must have for a layer to; cycle_margin, how far apart the
   # layers' limit directions must stay for a cyclic fixed point.
   # lens_phases: the logit lens also runs on each grokking phase's checkpoint.
-  # A language model (LM_ANALYSES): the first lm_windows validation windows;
+  # A language model (registry.LM): the first lm_windows validation windows;
   # sink_threshold, the attention mass on the first token that makes a sink.
   c.analyze = dict(
     names=(),  # (): the task family's (task_checks.RULES)
@@ -274,10 +274,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
       "train.backprop_depth: needs model.injection add or concat (else the "
       "embeddings get no gradient through the core); got injection 'none'"
     )
-  if a.max_depth < 2 and any(n in MECHANISTIC + LM_STREAMED for n in analyses(c)):
+  shared = [n for n in analyses(c) if rules.analyses[n].shared]
+  if a.max_depth < 2 and shared:
     raise ConfigError(
-      f"analyze.max_depth: must be >= 2 for {', '.join(MECHANISTIC)}, stages (they "
-      f"compare successive iterations); got {a.max_depth}"
+      f"analyze.max_depth: must be >= 2 for {', '.join(shared)} (they compare "
+      f"successive iterations); got {a.max_depth}"
     )
   if a.halting.r_min > a.halting.r_max:
     raise ConfigError(

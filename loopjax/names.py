@@ -1,13 +1,6 @@
-"""The names a config gives analyses, halting criteria and attention kernels:
-one JAX-free leaf that config validation and the modules using them read."""
-
-# The mechanistic ones read one traced pass (every layer's output and weights).
-MECHANISTIC = ("logit_lens", "fixed_points", "attention", "activations")
-ANALYSES = ("overthinking", "halting", *MECHANISTIC)
-# A language model's: from one streamed pass over validation text (lm/analyze.py),
-# and each exit criterion's iterations per token (lm_halting).
-LM_STREAMED = ("fixed_points", "stages", "attention")
-LM_ANALYSES = (*LM_STREAMED, "halting")
+"""The names a config gives halting criteria and attention kernels: one
+JAX-free leaf that config validation and the modules using them read (the
+analyses' names are their registry's, analysis/registry.py)."""
 
 # Adaptive halting (halting.py, whose CRITERIA has one rule per name): what
 # iteration 1 is compared with, the criteria, and the ones LTG compares.

@@ -15,11 +15,10 @@ import numpy as np
 from loopjax import compiled, restore, sharding, state, train
 from loopjax import config as config_lib
 from loopjax import task as task_lib
-from loopjax.analysis import depth_scan
+from loopjax.analysis import depth_scan, registry
 from loopjax.bench import measure
 from loopjax.errors import ConfigError, first_line
 from loopjax.lm import generate
-from loopjax.names import LM_STREAMED
 
 
 def _batch(family, config, task, B: int, put) -> dict:
@@ -142,7 +141,7 @@ def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> 
   if not family.reads_every_position:  # a language model's windows below
     return out
   model = state.Model(graphdef, abstract["params"], config.model.dtype)
-  if set(config_lib.analyses(config)) & set(LM_STREAMED):
+  if registry.shared(registry.LM, config_lib.analyses(config)):
     name, analysis = _analysis(config, mesh, family, task, model)
     out[name] = analysis
   return out | _sampling(config, task, model)

@@ -8,8 +8,8 @@ holds each family's checker and analyses, by the family's `data.task` name.
 from pathlib import Path
 from typing import NamedTuple
 
+from loopjax.analysis import registry
 from loopjax.errors import ConfigError
-from loopjax.names import ANALYSES, LM_ANALYSES, LM_STREAMED
 
 MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
 
@@ -192,17 +192,18 @@ def init_from(c) -> None:
 
 
 class Rules(NamedTuple):
-  """A task family's config rules: its checker, the analyses it knows, and
-  those `--mode=analyze` runs when `analyze.names` is empty."""
+  """A task family's config rules: its checker, the analyses it knows (its
+  table in analysis/registry.py), and those `--mode=analyze` runs when
+  `analyze.names` is empty."""
 
   check: object
-  analyses: tuple[str, ...]
+  analyses: dict[str, registry.Entry]
   default_analyses: tuple[str, ...]
 
 
 # data.task -> its family's rules (loopjax/task.py holds the families).
 RULES = {
-  "composition": Rules(composition, ANALYSES, ANALYSES),
-  "chains": Rules(chains, ANALYSES, ANALYSES),
-  "lm": Rules(lm, LM_ANALYSES, LM_STREAMED),
+  "composition": Rules(composition, registry.KG, tuple(registry.KG)),
+  "chains": Rules(chains, registry.KG, tuple(registry.KG)),
+  "lm": Rules(lm, registry.LM, registry.shared(registry.LM)),
 }

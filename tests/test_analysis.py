@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from loopjax.analysis import activations, attention, fixed_points, logit_lens
+from loopjax import config as config_lib
+from loopjax.analysis import activations, attention, fixed_points, logit_lens, registry
+from loopjax.analysis.record import Analysis
+from loopjax.errors import ConfigError
 from loopjax.model import LoopedTransformer
-from loopjax.names import MECHANISTIC
 
 PAD = 9
 
@@ -268,7 +270,7 @@ def test_analyze_and_the_ablation_table(grokking_run):
 
   config, workdir = grokking_run
   config = config.copy_and_resolve_references()
-  config.analyze.names = ("overthinking", *MECHANISTIC)
+  config.analyze.names = ("overthinking", *registry.shared(registry.KG))
   paths = {p.name for p in analyze.analyze(config, workdir)}
   for name in config.analyze.names:
     assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths
@@ -302,3 +304,65 @@ def test_analyze_and_the_ablation_table(grokking_run):
   profile = attn["attention"]["test_inferred_ood"]["profile"]
   shares = np.asarray(profile).mean((0, 1))  # over layers and heads
   assert cells[6] == " ".join(f"{x:.2f}" for x in shares)
+
+
+def test_every_analysis_name_finds_its_record():
+  """The registry's strings (read by config validation) agree with the records
+  they name; a name without one is a one-line ConfigError, not a KeyError."""
+  for table in (registry.KG, registry.LM):
+    for name, entry in table.items():
+      record = registry.record(table, name)
+      assert (record.compute is None) == entry.shared, name
+      assert (record.summarize is not None) == entry.shared, name
+      assert (record.per_example is not None) == (entry.shared and table is registry.KG)
+  with pytest.raises(ConfigError) as e:
+    registry.record(registry.LM, "logit_lens")  # a knowledge graph's only
+  assert str(e.value) == (
+    "analyze.names: each must be one of fixed_points, stages, attention, halting; "
+    "got 'logit_lens'"
+  )
+
+
+def _toy_table(report):
+  return "| split | norm |\n|---|---|\n" + "".join(
+    f"| {s} | {v:.3f} |\n" for s, v in report["toy"].items()
+  )
+
+
+# A new analysis: this record plus one registry line (monkeypatched in below).
+TOY = Analysis(
+  per_example=lambda model, trace, batch, pad: jnp.linalg.norm(
+    trace["core"]["hidden"][-1, -1], axis=-1
+  ).mean(-1),  # (B,): the last iteration's mean state norm per example
+  summarize=lambda ex, config, split: float(np.mean(ex["toy"])),
+  table=_toy_table,
+  summary=lambda report: f"{len(report['toy'])} splits",
+)
+
+
+def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, capsys):
+  from experiments import sysgen
+  from loopjax import data
+  from loopjax.kg import analyze as analyze_kg
+  from loopjax.state import Model, build_model
+
+  monkeypatch.setitem(
+    registry.KG, "toy", registry.Entry("test_analysis:TOY", shared=True)
+  )
+  c = sysgen.get_config("tiny")
+  c.data.data_dir = str(tmp_path / "data")
+  c.analyze.update(names=("toy",), max_depth=2)
+  config_lib.validate(c)  # the registry line is all validation reads
+  task = data.load(c.data)
+  graphdef, params = nnx.split(
+    build_model(
+      c.model, task.vocab.vocab_size, task.splits["train"]["inputs"].shape[1], 0
+    )
+  )
+  written = analyze_kg.run(
+    c, tmp_path, task, Model(graphdef, params), 0, tmp_path / "out", "id_atomic", False
+  )
+  assert [p.name for p in written] == ["toy.json", "toy.md"]
+  report = json.loads((tmp_path / "out" / "toy.json").read_text())
+  assert report["toy"].keys() == data.probes(task, c.data.train_hops, 1).keys()
+  assert capsys.readouterr().out.endswith(f"toy: {len(report['toy'])} splits\n")

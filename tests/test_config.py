@@ -141,6 +141,10 @@ def test_a_conflict_is_one_short_line_however_many_fields_differ(tmp_path):
     ("--config.seed.x=1", "error: --config.seed.x: config.seed is a value, not a"),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),
     ("--config.eval.depths=abc", "error: eval.depths: a tuple of integers >= 1"),
+    (  # a name without a record in analysis/registry.py
+      "--config.analyze.names=('no_such',)",
+      "error: analyze.names: each must be one of overthinking, halting, logit_lens",
+    ),
   ],
 )
 def test_cli_exits_2_with_one_line(tmp_path, override, message):

@@ -1,5 +1,6 @@
 """Figures, markdown tables and one-line summaries of the overthinking curves
-and the halting table (knowledge-graph probe splits)."""
+and the halting table (knowledge-graph probe splits; their records:
+kg/analyses.py)."""
 
 from pathlib import Path
 
@@ -7,13 +8,6 @@ import numpy as np
 
 from loopjax.analysis.plots import markdown, plt, save
 from loopjax.data.kg import hop_count
-
-
-def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
-  path = out_dir / f"{name}.png"
-  return [
-    overthinking(report, path) if name == "overthinking" else halting(report, path)
-  ]
 
 
 def _lines(names):
@@ -30,7 +24,7 @@ def _lines(names):
   ]
 
 
-def overthinking(report: dict, path: Path) -> Path:
+def overthinking(report: dict, out_dir: Path) -> list[Path]:
   """Accuracy and mean logit margin against iterations, one line per split."""
   curves = report["overthinking"]
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -48,7 +42,7 @@ def overthinking(report: dict, path: Path) -> Path:
   axes[1].axhline(0, color="black", lw=0.5)
   axes[1].legend(fontsize=7, ncol=2)
   fig.suptitle(f"step {report['step']}")
-  return save(fig, path)
+  return [save(fig, out_dir / "overthinking.png")]
 
 
 def _pooled(row: dict, names) -> tuple[float, float]:
@@ -65,7 +59,7 @@ def _test_splits(rows) -> list[str]:
   return tests or names
 
 
-def halting(report: dict, path: Path) -> Path:
+def halting(report: dict, out_dir: Path) -> list[Path]:
   """Left: accuracy against mean iterations (test splits pooled), one line per
   criterion through its thresholds. Right: per split, the default rules."""
   rows = report["halting"]
@@ -90,7 +84,7 @@ def halting(report: dict, path: Path) -> Path:
   for ax in axes:
     ax.grid(alpha=0.3)
   fig.suptitle(f"step {report['step']}")
-  return save(fig, path)
+  return [save(fig, out_dir / "halting.png")]
 
 
 def _defaults(rows):
@@ -105,16 +99,19 @@ def _name(row: dict) -> str:
   return f"{row['criterion']} ({thresholds})" if thresholds else row["criterion"]
 
 
-def summary(name: str, report: dict) -> str:
-  """One line for the console."""
-  if name == "overthinking":
-    curves = report[name]
-    best = {n: int(np.argmax(c["acc"])) + 1 for n, c in curves.items()}
-    return "best iteration per split (avg_t_first): " + ", ".join(
-      f"{n} {r} ({curves[n]['acc'][r - 1]:.2f}; {_first(curves[n])})"
-      for n, r in best.items()
-    )
-  rows = report[name]
+def overthinking_summary(report: dict) -> str:
+  """The best iteration per split (avg_t_first)."""
+  curves = report["overthinking"]
+  best = {n: int(np.argmax(c["acc"])) + 1 for n, c in curves.items()}
+  return "best iteration per split (avg_t_first): " + ", ".join(
+    f"{n} {r} ({curves[n]['acc'][r - 1]:.2f}; {_first(curves[n])})"
+    for n, r in best.items()
+  )
+
+
+def halting_summary(report: dict) -> str:
+  """The default rules' accuracy and iterations, test splits pooled."""
+  rows = report["halting"]
   tests = _test_splits(rows)
   return "; ".join(
     f"{_name(r)}: acc {a:.3f} at {i:.1f} iterations"
@@ -128,36 +125,31 @@ def _first(curve: dict) -> str:
   return "-" if first is None else f"{first:.1f}"
 
 
-def table(name: str, report: dict) -> str:
-  """Markdown. Overthinking: per split, accuracy (mean margin) at R = 1, 2, 4,
-  ... and the best R. Halting: per rule, accuracy / mean iterations per split."""
-  if name == "overthinking":
-    curves = report[name]
-    R = len(next(iter(curves.values()))["acc"])
-    depths = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= R]
-    head = ["split", *(f"R={d}" for d in depths), "best R", "avg_t_first"]
-    lines = []
-    for split, c in curves.items():
-      best = int(np.argmax(c["acc"])) + 1
-      cells = [f"{c['acc'][d - 1]:.3f} ({c['margin'][d - 1]:+.1f})" for d in depths]
-      lines.append(
-        [
-          split,
-          *cells,
-          f"{best} ({c['acc'][best - 1]:.3f})",
-          _first(c),
-        ]
-      )
-  else:
-    rows = report[name]
-    splits = _test_splits(rows)
-    head = ["rule", "all: acc / iters", *splits]
-    lines = []
-    for r in rows:
-      acc, iters = _pooled(r, splits)
-      cells = [
-        f"{r['splits'][n]['acc']:.3f} / {r['splits'][n]['iterations']:.1f}"
-        for n in splits
-      ]
-      lines.append([_name(r), f"{acc:.3f} / {iters:.1f}", *cells])
+def overthinking_table(report: dict) -> str:
+  """Per split, accuracy (mean margin) at R = 1, 2, 4, ... and the best R."""
+  curves = report["overthinking"]
+  R = len(next(iter(curves.values()))["acc"])
+  depths = [d for d in (1, 2, 4, 8, 16, 32, 64, 128) if d <= R]
+  head = ["split", *(f"R={d}" for d in depths), "best R", "avg_t_first"]
+  lines = []
+  for split, c in curves.items():
+    best = int(np.argmax(c["acc"])) + 1
+    cells = [f"{c['acc'][d - 1]:.3f} ({c['margin'][d - 1]:+.1f})" for d in depths]
+    lines.append([split, *cells, f"{best} ({c['acc'][best - 1]:.3f})", _first(c)])
+  return markdown(head, lines)
+
+
+def halting_table(report: dict) -> str:
+  """Per rule, accuracy / mean iterations per split."""
+  rows = report["halting"]
+  splits = _test_splits(rows)
+  head = ["rule", "all: acc / iters", *splits]
+  lines = []
+  for r in rows:
+    acc, iters = _pooled(r, splits)
+    cells = [
+      f"{r['splits'][n]['acc']:.3f} / {r['splits'][n]['iterations']:.1f}"
+      for n in splits
+    ]
+    lines.append([_name(r), f"{acc:.3f} / {iters:.1f}", *cells])
   return markdown(head, lines)

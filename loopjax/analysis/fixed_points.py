@@ -221,6 +221,14 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
   }
 
 
+def from_pass(examples: dict, config, extra=None) -> dict:
+  """`summarize` of the shared pass's outputs (by analysis name) at the run's
+  `analyze` settings: the record's, a knowledge graph's and a language
+  model's alike."""
+  a = config.analyze
+  return summarize(examples["fixed_points"], a.tol, a.fp_share, a.cycle_margin)
+
+
 def _reached(at_N: np.ndarray, share: float) -> int | None:
   """The iteration by which `share` of the tokens have converged, or None."""
   r = np.sort(at_N)[int(np.ceil(share * len(at_N))) - 1]

@@ -77,7 +77,9 @@ def table(model, batches: list, n: int, config, key) -> dict:
   return {"r_max": cfg.r_max, "tokens": int(mask.sum()), "rows": rows}
 
 
-def markdown(report: dict, split: str) -> str:
+def markdown(report: dict) -> str:
+  """Per rule: mean iterations, early exits, agreement with r_max, losses."""
+  split = report["main_split"]
   t = report["halting"][split]
   lines = [
     f"# Exits per token ({split}: {t['tokens']} tokens, r_max {t['r_max']})",
@@ -97,7 +99,8 @@ def markdown(report: dict, split: str) -> str:
   return "\n".join(lines) + "\n"
 
 
-def summary(report: dict, split: str) -> str:
+def summary(report: dict) -> str:
+  split = report["main_split"]
   t = report["halting"][split]
   fewest = min(t["rows"], key=lambda r: r["iterations"])
   return (

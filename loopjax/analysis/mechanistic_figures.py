@@ -1,4 +1,5 @@
-"""Figures, markdown tables and one-line summaries of the mechanistic analyses.
+"""Figures, markdown tables and one-line summaries of the mechanistic analyses
+(their records: kg/analyses.py, lm/analyses.py).
 
 Each figure shows the run's main held-out split (`main_split` in the report:
 OOD composition, or the deepest trained k); the tables cover every split.
@@ -14,13 +15,6 @@ from loopjax.analysis.plots import markdown, plt, save
 # composition shows up: the bridge at the relation, the answer at the answer.
 LENS_PANELS = [(t, p) for t in ("bridge", "answer") for p in ("relation", "answer")]
 LENS_KEY_PANELS = [("bridge", "relation"), ("answer", "answer")]
-
-
-def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
-  paths = [PLOTS[name](report, out_dir / f"{name}.png")]
-  if name == "logit_lens" and report.get("phases"):
-    paths.append(lens_phases(report, out_dir / "logit_lens_phases.png"))
-  return paths
 
 
 def main_result(report: dict, name: str) -> tuple[str, dict]:
@@ -48,9 +42,10 @@ def _ticks(R: int):
   return [x - 1 for x in r], [str(x) for x in r]
 
 
-def logit_lens(report: dict, path: Path) -> Path:
+def logit_lens(report: dict, out_dir: Path) -> list[Path]:
   """Mean reciprocal rank of the bridge and of the answer, read at the first
-  relation's position and at the answer position, per iteration x layer."""
+  relation's position and at the answer position, per iteration x layer; with
+  the grokking phases', the same across them (`lens_phases`)."""
   split, lens = main_result(report, "logit_lens")
   fig, axes = plt.subplots(1, 4, figsize=(14, 4.2), layout="constrained")
   axes[0].set_ylabel("iteration")
@@ -61,7 +56,10 @@ def logit_lens(report: dict, path: Path) -> Path:
   fig.suptitle(
     f"logit lens, {split} ({lens['examples']} queries), step {report['step']}"
   )
-  return save(fig, path, tight=False)
+  paths = [save(fig, out_dir / "logit_lens.png", tight=False)]
+  if report.get("phases"):
+    paths.append(lens_phases(report, out_dir / "logit_lens_phases.png"))
+  return paths
 
 
 def lens_phases(report: dict, path: Path) -> Path:
@@ -93,7 +91,7 @@ def lens_phases(report: dict, path: Path) -> Path:
   return save(fig, path)
 
 
-def fixed_points(report: dict, path: Path) -> Path:
+def fixed_points(report: dict, out_dir: Path) -> list[Path]:
   """Per layer, against iterations (log scales): the change of what the next
   layer reads (median over tokens, band to the 90th percentile) beside the
   raw residual-stream change; the change of the update and 1 - cosine; and
@@ -161,10 +159,10 @@ def fixed_points(report: dict, path: Path) -> Path:
     f"fixed points ({fp['kind']}; {fp['share']:.0%} of {fp['tokens']} tokens "
     f"below {fp['tol']}), {split}, step {report['step']}"
   )
-  return save(fig, path)
+  return [save(fig, out_dir / "fixed_points.png")]
 
 
-def attention(report: dict, path: Path) -> Path:
+def attention(report: dict, out_dir: Path) -> list[Path]:
   """Per layer and head: ColSum concentration (uniform attention's dashed) and
   pattern change per iteration; the normalized column sums at the last
   iteration."""
@@ -203,10 +201,10 @@ def attention(report: dict, path: Path) -> Path:
   axes[2].set_xlabel("key position")
   axes[2].set_ylabel("share of attention mass (last iteration)")
   fig.suptitle(f"attention, {split}, step {report['step']}")
-  return save(fig, path)
+  return [save(fig, out_dir / "attention.png")]
 
 
-def activations(report: dict, path: Path) -> Path:
+def activations(report: dict, out_dir: Path) -> list[Path]:
   """Largest |activation| over the median, per iteration and layer."""
   split, act = main_result(report, "activations")
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -222,15 +220,7 @@ def activations(report: dict, path: Path) -> Path:
   axes[1].set_ylabel("max |h|")
   axes[0].legend(fontsize=8)
   fig.suptitle(f"activation magnitudes, {split}, step {report['step']}")
-  return save(fig, path)
-
-
-PLOTS = {
-  "logit_lens": logit_lens,
-  "fixed_points": fixed_points,
-  "attention": attention,
-  "activations": activations,
-}
+  return [save(fig, out_dir / "activations.png")]
 
 
 def _best(m_RL) -> tuple[float, int, int]:
@@ -240,115 +230,171 @@ def _best(m_RL) -> tuple[float, int, int]:
   return float(m_RL[r, l]), int(r) + 1, int(l) + 1
 
 
-def rows(name: str, report: dict) -> tuple[list[str], list[list[str]]]:
-  """(header, rows) of the markdown table."""
+def lens_table(report: dict) -> str:
+  """Per split and group of layers (the core's per iteration), each panel's
+  best mean reciprocal rank, where, and at the last layer read."""
+  head = [
+    "split",
+    "queries",
+    *(f"{t} MRR at {p}: best (r, l) / last" for t, p in LENS_PANELS),
+  ]
   out = []
-  if name == "logit_lens":
-    head = [
-      "split",
-      "queries",
-      *(f"{t} MRR at {p}: best (r, l) / last" for t, p in LENS_PANELS),
-    ]
-    for split, lens in report[name].items():
-      for group in ("prelude", "core", "coda"):  # prelude / coda: r is "-"
-        if group not in lens:
-          continue
-        cells = []
-        for t, p in LENS_PANELS:
-          mrr = np.atleast_2d(lens[group][t][p]["mrr"])  # prelude, coda: (1, layers)
-          best, r, l = _best(mrr)
-          at = f"({r}, {l})" if group == "core" else f"(-, {l})"
-          cells.append(f"{best:.2f} {at} / {mrr[-1, -1]:.2f}")
-        label = split if group == "core" else f"{split} ({group})"
-        out.append([label, str(lens["examples"]), *cells])
-  elif name == "fixed_points":
-    head = [
-      "split",
-      "kind",
-      "layer",
-      "converged at",
-      "converged share",
-      "period",
-      "read change below 1e-1 / 3e-2 / 1e-2 / 3e-3 / 1e-3 from",
-      "within 1e-1 / ... / 1e-3 of the last iterate from (MECH)",
-      "last change: read / raw / update / 1 - cos",
-      "distance to other layers",
-    ]
-    for split, fp in report[name].items():
-      for l, x in enumerate(fp["layers"]):
-        last = [(x.get(k) or [np.nan])[-1] for k in ("change", "raw", "update")]
-        last.append(1 - (x.get("cosine") or [np.nan])[-1])
-        apart = [
-          f"{fp['distance'][l][m]:.2f}" for m in range(len(fp["layers"])) if m != l
+  for split, lens in report["logit_lens"].items():
+    for group in ("prelude", "core", "coda"):  # prelude / coda: r is "-"
+      if group not in lens:
+        continue
+      cells = []
+      for t, p in LENS_PANELS:
+        mrr = np.atleast_2d(lens[group][t][p]["mrr"])  # prelude, coda: (1, layers)
+        best, r, l = _best(mrr)
+        at = f"({r}, {l})" if group == "core" else f"(-, {l})"
+        cells.append(f"{best:.2f} {at} / {mrr[-1, -1]:.2f}")
+      label = split if group == "core" else f"{split} ({group})"
+      out.append([label, str(lens["examples"]), *cells])
+  return markdown(head, out)
+
+
+def lens_summary(report: dict) -> str:
+  split, res = main_result(report, "logit_lens")
+  if "core" not in res:
+    return f"{split}: no inferred queries"
+  b = _best(res["core"]["bridge"]["relation"]["mrr"])
+  return (
+    f"{split}: bridge MRR at the relation position up to {b[0]:.2f} "
+    f"(iteration {b[1]}, layer {b[2]})"
+  )
+
+
+FIXED_POINTS_HEAD = [
+  "split",
+  "kind",
+  "layer",
+  "converged at",
+  "converged share",
+  "period",
+  "read change below 1e-1 / 3e-2 / 1e-2 / 3e-3 / 1e-3 from",
+  "within 1e-1 / ... / 1e-3 of the last iterate from (MECH)",
+  "last change: read / raw / update / 1 - cos",
+  "distance to other layers",
+]
+
+
+def fixed_points_table(report: dict) -> str:
+  """Per split and layer: when it converges, the ladders, its last changes
+  and how far its limit is from the other layers'."""
+  out = []
+  for split, fp in report["fixed_points"].items():
+    for l, x in enumerate(fp["layers"]):
+      last = [(x.get(k) or [np.nan])[-1] for k in ("change", "raw", "update")]
+      last.append(1 - (x.get("cosine") or [np.nan])[-1])
+      apart = [
+        f"{fp['distance'][l][m]:.2f}" for m in range(len(fp["layers"])) if m != l
+      ]
+      out.append(
+        [
+          split,
+          fp["kind"],
+          str(l + 1),
+          str(x["converged_at"] or "-"),
+          f"{x['converged_share']:.2f}",
+          str(x["period"] or "-"),
+          ladder(x),
+          ladder(x, "settled_at_tol"),
+          " / ".join(f"{v:.1e}" for v in last),
+          ", ".join(apart) or "-",
         ]
-        out.append(
-          [
-            split,
-            fp["kind"],
-            str(l + 1),
-            str(x["converged_at"] or "-"),
-            f"{x['converged_share']:.2f}",
-            str(x["period"] or "-"),
-            ladder(x),
-            ladder(x, "settled_at_tol"),
-            " / ".join(f"{v:.1e}" for v in last),
-            ", ".join(apart) or "-",
-          ]
-        )
-  elif name == "attention":
-    head = [
-      "split",
-      "layer",
-      "head",
-      "ColSum C: iter 1 / last (uniform)",
-      "top share: iter 1 / last (uniform)",
-      "entropy (last)",
-      "change (last)",
-      "profile (last)",
-    ]
-    for split, att in report[name].items():
-      top, ent = np.asarray(att["top_share"]), np.asarray(att["entropy"])
-      tv, prof = np.asarray(att["stability"]), np.asarray(att["profile"])
-      conc, base = np.asarray(att["concentration"]), att["uniform"]
-      for l in range(top.shape[1]):
-        for n in range(top.shape[2]):
-          out.append(
-            [
-              split,
-              str(l + 1),
-              str(n + 1),
-              f"{conc[0, l, n]:.2f} / {conc[-1, l, n]:.2f} "
-              f"({base['concentration']:.2f})",
-              f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f} ({base['top_share']:.2f})",
-              f"{ent[-1, l, n]:.2f}",
-              f"{tv[-1, l, n]:.1e}" if len(tv) else "-",
-              _profile(prof[l, n]),
-            ]
-          )
-  else:
-    head = [
-      "split",
-      "layer",
-      "max / median: largest (iteration)",
-      "at (position, dim)",
-      "share",
-      "last iteration",
-    ]
-    for split, act in report[name].items():
-      ratio = np.asarray(act["ratio"])
-      for l in range(ratio.shape[1]):
-        r = int(ratio[:, l].argmax())
+      )
+  return markdown(FIXED_POINTS_HEAD, out)
+
+
+def fixed_points_summary(report: dict) -> str:
+  split, res = main_result(report, "fixed_points")
+  return f"{split}: {res['kind']}; " + ", ".join(
+    f"layer {l + 1} converges at {x['converged_at'] or 'never'}"
+    for l, x in enumerate(res["layers"])
+  )
+
+
+ATTENTION_HEAD = [
+  "split",
+  "layer",
+  "head",
+  "ColSum C: iter 1 / last (uniform)",
+  "top share: iter 1 / last (uniform)",
+  "entropy (last)",
+  "change (last)",
+  "profile (last)",
+]
+
+
+def attention_table(report: dict) -> str:
+  """Per split, layer and head: ColSum concentration and top share at the
+  first and last iteration (uniform attention's beside), entropy, change and
+  profile at the last."""
+  out = []
+  for split, att in report["attention"].items():
+    top, ent = np.asarray(att["top_share"]), np.asarray(att["entropy"])
+    tv, prof = np.asarray(att["stability"]), np.asarray(att["profile"])
+    conc, base = np.asarray(att["concentration"]), att["uniform"]
+    for l in range(top.shape[1]):
+      for n in range(top.shape[2]):
         out.append(
           [
             split,
             str(l + 1),
-            f"{ratio[r, l]:.1f} ({r + 1})",
-            f"({act['position'][r][l]}, {act['dim'][r][l]})",
-            f"{act['share'][r][l]:.2f}",
-            f"{ratio[-1, l]:.1f}",
+            str(n + 1),
+            f"{conc[0, l, n]:.2f} / {conc[-1, l, n]:.2f} ({base['concentration']:.2f})",
+            f"{top[0, l, n]:.2f} / {top[-1, l, n]:.2f} ({base['top_share']:.2f})",
+            f"{ent[-1, l, n]:.2f}",
+            f"{tv[-1, l, n]:.1e}" if len(tv) else "-",
+            _profile(prof[l, n]),
           ]
         )
-  return head, out
+  return markdown(ATTENTION_HEAD, out)
+
+
+def attention_summary(report: dict) -> str:
+  split, res = main_result(report, "attention")
+  conc = np.asarray(res["concentration"])
+  return (
+    f"{split}: ColSum concentration, mean over heads, {conc[0].mean():.2f} at "
+    f"iteration 1, {conc[-1].mean():.2f} at the last (uniform attention: "
+    f"{res['uniform']['concentration']:.2f})"
+  )
+
+
+def activations_table(report: dict) -> str:
+  """Per split and layer: the largest max / median ratio, where it sits and
+  how often, and the ratio at the last iteration."""
+  head = [
+    "split",
+    "layer",
+    "max / median: largest (iteration)",
+    "at (position, dim)",
+    "share",
+    "last iteration",
+  ]
+  out = []
+  for split, act in report["activations"].items():
+    ratio = np.asarray(act["ratio"])
+    for l in range(ratio.shape[1]):
+      r = int(ratio[:, l].argmax())
+      out.append(
+        [
+          split,
+          str(l + 1),
+          f"{ratio[r, l]:.1f} ({r + 1})",
+          f"({act['position'][r][l]}, {act['dim'][r][l]})",
+          f"{act['share'][r][l]:.2f}",
+          f"{ratio[-1, l]:.1f}",
+        ]
+      )
+  return markdown(head, out)
+
+
+def activations_summary(report: dict) -> str:
+  split, res = main_result(report, "activations")
+  return f"{split}: max/median |h| up to {np.asarray(res['ratio']).max():.1f}"
 
 
 def fixed_cell(r: dict) -> str:
@@ -372,34 +418,3 @@ def _profile(p_S) -> str:
 
 
 PROFILE_KEYS = 8
-
-
-def table(name: str, report: dict) -> str:
-  return markdown(*rows(name, report))
-
-
-def summary(name: str, report: dict) -> str:
-  """One line for the console, on the main split."""
-  split, res = main_result(report, name)
-  if name == "logit_lens":
-    if "core" not in res:
-      return f"{split}: no inferred queries"
-    b = _best(res["core"]["bridge"]["relation"]["mrr"])
-    return (
-      f"{split}: bridge MRR at the relation position up to {b[0]:.2f} "
-      f"(iteration {b[1]}, layer {b[2]})"
-    )
-  if name == "fixed_points":
-    return f"{split}: {res['kind']}; " + ", ".join(
-      f"layer {l + 1} converges at {x['converged_at'] or 'never'}"
-      for l, x in enumerate(res["layers"])
-    )
-  if name == "attention":
-    conc = np.asarray(res["concentration"])
-    return (
-      f"{split}: ColSum concentration, mean over heads, {conc[0].mean():.2f} at "
-      f"iteration 1, {conc[-1].mean():.2f} at the last (uniform attention: "
-      f"{res['uniform']['concentration']:.2f})"
-    )
-  ratio = np.asarray(res["ratio"])
-  return f"{split}: max/median |h| up to {ratio.max():.1f}"

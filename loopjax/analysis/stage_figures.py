@@ -1,4 +1,5 @@
-"""The stages-of-inference figure, table and summary (`stages.py`'s results)."""
+"""The stages-of-inference figure, table and summary (`stages.py`'s results;
+its record: lm/analyses.py)."""
 
 from pathlib import Path
 
@@ -18,10 +19,10 @@ PANELS = (
 )
 
 
-def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
+def plot(report: dict, out_dir: Path) -> list[Path]:
   """Every statistic against effective depth in one column of panels; shaded
   bands mark every other iteration of the core (darker: within the trained R)."""
-  split, res = main_result(report, name)
+  split, res = main_result(report, "stages")
   rows = res["positions"]
   x = np.arange(len(rows))
   fig, axes = plt.subplots(
@@ -52,12 +53,12 @@ def plot(name: str, report: dict, out_dir: Path) -> list[Path]:
     f"stages of inference, {split} ({report['windows']} windows of "
     f"{report['seq_len']}), step {report['step']}; shaded: odd iterations"
   )
-  return [save(fig, out_dir / f"{name}.png")]
+  return [save(fig, out_dir / "stages.png")]
 
 
-def table(name: str, report: dict) -> str:
+def table(report: dict) -> str:
   """One row per depth position, and the repetition (eta squared) per statistic."""
-  split, res = main_result(report, name)
+  split, res = main_result(report, "stages")
   stats = [p[0] for p in PANELS]
   head = ["position", *stats]
   body = [
@@ -84,8 +85,8 @@ def table(name: str, report: dict) -> str:
   )
 
 
-def summary(name: str, report: dict) -> str:
-  _, res = main_result(report, name)
+def summary(report: dict) -> str:
+  _, res = main_result(report, "stages")
   core = [r for r in res["positions"] if r["iteration"] and r["label"][0] == "r"]
   best = max(core, key=lambda r: r["massive_ratio"])
   rep = res["repetition"]["massive_ratio"]

@@ -1,5 +1,7 @@
 """A language model's analyses: fixed points, stages of inference and
-attention, from one streamed pass over validation windows (`depth_scan`).
+attention, from one streamed pass over validation windows (`depth_scan`),
+and the halting table from its own passes; each a record found by name
+(`analysis/registry.py`'s LM, records in lm/analyses.py).
 
 `analyze.lm_windows` rows of validation text (documents held out whole),
 drawn as training draws its rows (`data.align`), are run to `analyze.max_depth`
@@ -10,23 +12,14 @@ would take.
 """
 
 import functools
-import json
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from loopjax import config as config_lib
-from loopjax.analysis import (
-  attention,
-  depth_scan,
-  fixed_points,
-  lm_halting,
-  stages,
-  views,
-)
+from loopjax.analysis import depth_scan, registry
 from loopjax.errors import ConfigError
-from loopjax.names import LM_STREAMED
 from loopjax.state import Model, eval_key
 
 SPLIT = "validation"
@@ -91,40 +84,18 @@ def run(
     "windows": n,
     "seq_len": int(probe[0]["inputs"].shape[1]),
   }
-  written = []
-  if "halting" in names:
-    report = head | {"halting": {split: lm_halting.table(model, probe, n, config, key)}}
-    written += _write(out_dir, "halting", report, lm_halting.markdown(report, split))
-    print("halting: " + lm_halting.summary(report, split))
-  if not set(names) & set(LM_STREAMED):
+  records = {x: registry.record(registry.LM, x) for x in names}
+  shared, written = registry.shared(registry.LM, names), []
+  for name in (x for x in names if x not in shared):  # their own passes first
+    result = records[name].compute(model, probe, n, config, key)
+    written += records[name].write(name, head | {name: {split: result}}, out_dir)
+  if not shared:
     return written
   compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
   mem = memory(compiled, probe[0], depth, config.model)
   outs = jax.device_get([compiled(model, b, key) for b in probe])
   ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
-  results = {  # each summarized only if asked for
-    "fixed_points": lambda: fixed_points.summarize(
-      ex["fixed_points"], a.tol, a.fp_share, a.cycle_margin
-    ),
-    "stages": lambda: (
-      stages.summarize(ex, a.sink_threshold, config.model.num_loops) | {"memory": mem}
-    ),
-    "attention": lambda: (
-      attention.summarize(ex["attention"])
-      | {"sink": ex["attention"]["sink"].mean(0).tolist()}
-    ),
-  }
-  for name in (n for n in names if n in LM_STREAMED):
-    report = head | {name: {split: results[name]()}}
-    view = views.LM[name]
-    written += _write(out_dir, name, report, view.table(name, report))
-    written += view.plot(name, report, out_dir)
-    print(f"{name}: " + view.summary(name, report))
+  for name in shared:
+    report = head | {name: {split: records[name].summarize(ex, config, mem)}}
+    written += records[name].write(name, report, out_dir)
   return written + (rows(ex) if rows else [])
-
-
-def _write(out_dir: Path, name: str, report: dict, table: str) -> list[Path]:
-  """name.json and name.md under out_dir."""
-  (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
-  (out_dir / f"{name}.md").write_text(table)
-  return [out_dir / f"{name}.json", out_dir / f"{name}.md"]

@@ -12,12 +12,11 @@ from pathlib import Path
 
 from loopjax import config as config_lib
 from loopjax import restore
-from loopjax.analysis import stage_figures
+from loopjax.analysis import registry, stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
 from loopjax.lm import answers
 from loopjax.lm import prompts as prompts_lib
-from loopjax.names import LM_STREAMED
 from loopjax.pretrained import llama
 from loopjax.pretrained.load import resolve
 from loopjax.workdir import Workdir, write_atomic
@@ -30,10 +29,10 @@ def prepare(config, workdir):
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
   if config.data.answer_field:
     prompts_lib.answers(config.data.source, config.data.answer_field)  # checked
-    if not set(LM_STREAMED) & set(config_lib.analyses(config)):
+    if not registry.shared(registry.LM, config_lib.analyses(config)):
       raise ConfigError(
         "data.answer_field: answers are scored beside the streamed analyses; "
-        f"add one of {', '.join(LM_STREAMED)} to analyze.names"
+        f"add one of {', '.join(registry.shared(registry.LM))} to analyze.names"
       )
   opened = restore.language_model(config)
   cfg = opened.cfg
