@@ -294,6 +294,24 @@ def test_the_harness_batch_size_flag_is_read_as_it_writes_it(flag, used):
   assert model.scorer.batch_size == used
 
 
+def test_an_unknown_task_says_where_to_look(tasks, tmp_path):
+  """A missing --include_path (before the harness indexes its tasks or a
+  model is opened: config None would fail), a YAML file that does not load
+  (the harness skips it without a word) and a name no file has: three lines."""
+  nowhere = tmp_path / "nowhere"
+  with pytest.raises(ConfigError, match=f"--include_path={nowhere}: no such directory"):
+    harness.run(None, tmp_path, tasks=["toy_mc"], include_path=str(nowhere))
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "toy_broken.yaml").write_text("task: toy_broken\ndataset_path: [json\n")
+  assert harness._why_unknown("toy_broken", str(broken)).startswith(
+    f"{broken / 'toy_broken.yaml'} names it but does not load: "
+  )
+  assert harness._why_unknown("toy_broken", str(tasks)) == (
+    f"no YAML file under --include_path={tasks} names it"
+  )
+
+
 def test_a_bad_harness_batch_size_flag_is_one_line():
   with pytest.raises(ConfigError, match="batch_size must be an integer >= 1; got '0x'"):
     harness._precheck(["--model", "loopjax", "--batch_size=0x"])

@@ -32,7 +32,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from loopjax.errors import ConfigError, exit_with
+from loopjax.errors import ConfigError, exit_with, first_line
 from loopjax.field_rules import ENUMS
 from loopjax.lm import scoring
 from loopjax.lm.generate import Exit
@@ -308,12 +308,15 @@ def run(
   from lm_eval import simple_evaluate
   from lm_eval.tasks import TaskManager
 
+  if include_path and not Path(include_path).expanduser().is_dir():
+    raise ConfigError(f"--include_path={include_path}: no such directory")
   manager = TaskManager(include_path=include_path or None)
   unknown = [t for t in tasks if t not in manager.all_tasks]
-  if not tasks or unknown:
+  if not tasks:
+    raise ConfigError("--tasks: none given")
+  if unknown:
     raise ConfigError(
-      f"--tasks: {'unknown task ' + repr(unknown[0]) if unknown else 'none given'} "
-      "(`lm_eval ls tasks` lists the harness's; local YAML tasks: --include_path)"
+      f"--tasks: unknown task {unknown[0]!r} ({_why_unknown(unknown[0], include_path)})"
     )
   out = Path(workdir).expanduser() / "lm_eval"
   rule = Exit.of(exit, threshold) if exit else None
@@ -347,6 +350,27 @@ def run(
   (out / "table.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return out
+
+
+def _why_unknown(task: str, include_path: str | None) -> str:
+  """Where to look: a YAML file under include_path that names the task but
+  does not load (the harness skips it without a word), or what lists tasks."""
+  if not include_path:
+    return "`lm_eval ls tasks` lists the harness's; local YAML tasks: --include_path"
+  import yaml
+
+  for path in sorted(Path(include_path).expanduser().rglob("*.yaml")):
+    text = path.read_text(errors="replace")
+    if path.stem != task and not re.search(
+      rf"^task:\s*['\"]?{re.escape(task)}\b", text, re.M
+    ):
+      continue
+    try:
+      yaml.safe_load(text)
+    except yaml.YAMLError as e:
+      return f"{path} names it but does not load: {first_line(e, 160)}"
+    return f"{path} names it but the harness does not read it as a task"
+  return f"no YAML file under --include_path={include_path} names it"
 
 
 def _flag(args: list[str], name: str) -> str | None:
