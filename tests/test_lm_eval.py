@@ -312,6 +312,23 @@ def test_an_unknown_task_says_where_to_look(tasks, tmp_path):
   )
 
 
+@pytest.mark.slow  # ~20 s: the harness indexes its own tasks
+def test_a_data_set_the_hub_cannot_send_is_one_line(tmp_path):
+  """A task on a hub data set that is not on disk, offline (as on a cluster
+  with no route to the hub): the datasets library's ConnectionError becomes
+  one line saying what to do."""
+  (tmp_path / "hub_t.yaml").write_text(
+    "task: hub_t\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\n"
+    "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+    "doc_to_choice: '{{choices.text}}'\ndoc_to_target: 0\n"
+  )
+  c = config_lib.base()
+  c.model.update(hf_dir=str(FIXTURE), num_loops=2)
+  c.data.task = "lm"
+  with pytest.raises(ConfigError, match=r"data set is not on disk and cannot be "):
+    harness.run(c, tmp_path / "w", tasks=["hub_t"], include_path=str(tmp_path))
+
+
 def test_a_bad_harness_batch_size_flag_is_one_line():
   with pytest.raises(ConfigError, match="batch_size must be an integer >= 1; got '0x'"):
     harness._precheck(["--model", "loopjax", "--batch_size=0x"])

@@ -19,6 +19,7 @@ encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
 into a workdir.
 """
 
+import contextlib
 import inspect
 import json
 import re
@@ -329,9 +330,10 @@ def run(
   for R in Rs:
     model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"
     model.record.unlink(missing_ok=True)
-    results = simple_evaluate(
-      model=model, tasks=list(tasks), task_manager=manager, **harness_kw
-    )
+    with _data_on_disk():
+      results = simple_evaluate(
+        model=model, tasks=list(tasks), task_manager=manager, **harness_kw
+      )
     out.mkdir(parents=True, exist_ok=True)
     (out / f"r{R}.json").write_text(
       json.dumps(results["results"], indent=1, default=str) + "\n"
@@ -350,6 +352,21 @@ def run(
   (out / "table.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
   return out
+
+
+@contextlib.contextmanager
+def _data_on_disk():
+  """A task's data set neither on disk nor reachable (offline mode, a cluster
+  with no route to the hub: the datasets library raises ConnectionError) as
+  one line saying what to do."""
+  try:
+    yield
+  except ConnectionError as e:
+    raise ConfigError(
+      f"a task's data set is not on disk and cannot be downloaded here "
+      f"({first_line(e, 160)}): download it where there is a network into "
+      "HF_DATASETS_CACHE (or HF_HOME), then run with HF_DATASETS_OFFLINE=1"
+    ) from None
 
 
 def _why_unknown(task: str, include_path: str | None) -> str:
@@ -413,7 +430,8 @@ def main(argv=None):
   sys.argv = [sys.argv[0], *args]
   try:
     _precheck(args)
-    cli_evaluate()
+    with _data_on_disk():
+      cli_evaluate()
   except ConfigError as e:
     exit_with(str(e))
 
