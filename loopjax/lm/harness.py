@@ -34,8 +34,8 @@ from lm_eval.api.registry import register_model
 
 from loopjax.errors import ConfigError, exit_with
 from loopjax.field_rules import ENUMS
+from loopjax.halting import Rule
 from loopjax.lm import scoring
-from loopjax.lm.generate import Exit
 
 
 def _count(name: str, value, least: int = 1):
@@ -103,7 +103,7 @@ class LoopjaxLM(TemplateLM):
     if str(batch_size).startswith("auto"):
       batch_size = 8  # no memory probe: the harness's "auto" gets the default
     _checked(locals())
-    rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
+    rule = Rule.exit(exit, threshold, r_min=r_min, start=start) if exit else None
     loaded = scoring.load(
       hf_dir=pretrained or hf_dir, workdir=workdir, step=step, num_loops=num_loops,
       dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,

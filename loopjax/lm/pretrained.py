@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from loopjax import config as config_lib
-from loopjax import restore
+from loopjax import halting, restore
 from loopjax.analysis import stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
@@ -42,13 +42,9 @@ def prepare(config, workdir):
       f"({config.analyze.max_depth})"
     )
   task = prompts_lib.lm_data(config, prompts_lib.tokenizer(config, vocab_size), prompts)
-  h, m = config.analyze.halting, config.model
-  names = config_lib.analyses(config)
-  if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
-    raise ConfigError(
-      "analyze.halting.criteria: 'gate' reads an exit gate (Ouro's); "
-      f"{m.hf_dir} has none"
-    )
+  if "halting" in config_lib.analyses(config):
+    for rule in halting.grid(config.analyze.halting):
+      rule.check(cfg, "analyze.halting.criteria", config.model.hf_dir)
   wd = Workdir(workdir)
   wd.check(config)
   wd.check_writable()

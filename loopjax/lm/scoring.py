@@ -23,7 +23,7 @@ from loopjax import halting, recurrence, restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.lm import prompts
-from loopjax.lm.generate import Exit, generate
+from loopjax.lm.generate import generate
 from loopjax.pretrained import load as hf_load
 from loopjax.state import Model
 from loopjax.workdir import Workdir
@@ -49,12 +49,10 @@ def _fixed(model: Model, tokens_BT, key, *, num_loops: int):
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
-def _exiting(model: Model, tokens_BT, key, *, rule: Exit, num_loops: int):
+def _exiting(model: Model, tokens_BT, key, *, rule: halting.Rule, num_loops: int):
   return halting.adaptive(
-    model.module(), tokens_BT, None, criterion=rule.criterion, r_min=rule.r_min,
-    r_max=num_loops, eps=rule.eps, tau=rule.tau, patience=rule.patience,
-    threshold=rule.threshold, start=rule.start, key=key,
-  )  # fmt: skip
+    model.module(), tokens_BT, None, rule, r_max=num_loops, key=key
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("depths",))
@@ -113,7 +111,7 @@ class Scorer:
     prefix_ids: list[int],
     eos_id: int | None,
     batch_size: int = 8,
-    exit: Exit | None = None,
+    exit: halting.Rule | None = None,
     seed: int = 0,
   ):
     self.model, self.num_loops, self.exit = model, num_loops, exit
@@ -255,8 +253,8 @@ def load(
     _, _, cfg, vocab, max_len = hf_load.resolve(
       hf_dir, base, None, num_loops, dtype, weights=False
     )
-    if rule is not None and rule.criterion == "gate" and not cfg.exit_gate:
-      raise ConfigError(f"exit: 'gate' reads an exit gate (Ouro's); {hf_dir} has none")
+    if rule is not None:
+      rule.check(cfg, "exit", hf_dir)
     tok = prompts.tokenizer_json(hf_dir, vocab)
     _, bos, eos = lm.special_ids(tok, f"{hf_dir}/tokenizer.json")
     template, specials = chat_template(hf_dir)
@@ -273,6 +271,8 @@ def load(
       f"model_args: workdir={workdir} is not a language-model run "
       "(it needs config.json and tokenizer.json)"
     )
+  if rule is not None:
+    rule.check(config.model, "exit", workdir)
   task = lm.without_streams(config.data, path.read_text())
   _, model, _ = restore.from_checkpoint(config, workdir, step, task=task)
   scorer = Scorer(
