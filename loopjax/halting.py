@@ -35,12 +35,13 @@ iteration t, h_t: the state, T: the sequence length):
 
 A `Rule` is one of these with its thresholds, `r_min` and `start`: what the
 halting sweeps (`grid`), generation's exits and the harness (`Rule.exit`)
-all run. `start` sets what iteration 1 is compared with: "readout", the readout of the
-initial state (LTG: then r_min 2 compares from the second iteration on), or
-"uniform", nothing yet (Huginn's evaluators: a uniform distribution, an
-entropy and an argmax that no distribution matches). Huginn's `min_steps` 0
-is r_min 1; with min_steps m > 0 its evaluators skip their first m checks
-without updating what they compare against, which loopjax does not mirror.
+all run. `start` sets what iteration 1 is compared with: "readout", the
+readout of the initial state (LTG: then r_min 2 compares from the second
+iteration on), or "uniform", nothing yet (Huginn's evaluators: a uniform
+distribution, an entropy and an argmax that no distribution matches).
+Huginn's `min_steps` 0 is r_min 1; with min_steps m > 0 its evaluators skip
+their first m checks without updating what they compare against, which
+loopjax does not mirror.
 
 Per token, a token's answer freezes at its exit while every state iterates on
 to the last exit, so later tokens attend to states run that far: the exits of
