@@ -33,12 +33,15 @@ iteration t, h_t: the state, T: the sequence length):
               takes the rest)
   fixed       never: r_max iterations
 
-`start` sets what iteration 1 is compared with: "readout", the readout of the
-initial state (LTG: then r_min 2 compares from the second iteration on), or
-"uniform", nothing yet (Huginn's evaluators: a uniform distribution, an
-entropy and an argmax that no distribution matches). Huginn's `min_steps` 0
-is r_min 1; with min_steps m > 0 its evaluators skip their first m checks
-without updating what they compare against, which loopjax does not mirror.
+A `Rule` is one of these with its thresholds, `r_min` and `start`: what the
+halting sweeps (`grid`), generation's exits and the harness (`Rule.exit`)
+all run. `start` sets what iteration 1 is compared with: "readout", the
+readout of the initial state (LTG: then r_min 2 compares from the second
+iteration on), or "uniform", nothing yet (Huginn's evaluators: a uniform
+distribution, an entropy and an argmax that no distribution matches).
+Huginn's `min_steps` 0 is r_min 1; with min_steps m > 0 its evaluators skip
+their first m checks without updating what they compare against, which
+loopjax does not mirror.
 
 Per token, a token's answer freezes at its exit while every state iterates on
 to the last exit, so later tokens attend to states run that far: the exits of
@@ -48,29 +51,120 @@ at a time: the per-example path, at the prompt's last position, is what its
 parity test compares).
 """
 
+import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from loopjax.errors import ConfigError
+from loopjax.names import HALTING_START
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Rule:
+  """A halting rule: a criterion (one of `CRITERIA`), the thresholds it reads,
+  the first iteration that may halt and what iteration 1 is compared with. A
+  pytree whose leaves are the thresholds: a jitted function given one compiles
+  once per criterion (sweeps); given it as a static argument, once per rule."""
+
+  criterion: str = dataclasses.field(metadata=dict(static=True))
+  eps: float = 1e-3
+  tau: float = 3.0
+  tau_len: float = 12.0
+  patience: int = 2
+  threshold: float = 0.5
+  r_min: int = dataclasses.field(default=1, metadata=dict(static=True))
+  start: str = dataclasses.field(default="readout", metadata=dict(static=True))
+  seq_len: int = dataclasses.field(default=0, metadata=dict(static=True))
+
+  @classmethod
+  def exit(cls, criterion: str, threshold: float | None = None, **kw) -> "Rule":
+    """A per-token exit rule (generation's, the harness's), its one threshold
+    put where its criterion reads it (None: the default); start "uniform"
+    unless `kw` says otherwise."""
+    names = [c for c in CRITERIA if c != "kl_entropy_len"]
+    if criterion not in names:  # kl_entropy_len's bound follows a padded length
+      raise ConfigError(
+        f"exit: {criterion!r} is not a per-token halting criterion (one of "
+        f"{', '.join(names)})"
+      )
+    kw.setdefault("start", "uniform")
+    if kw["start"] not in HALTING_START:
+      raise ConfigError(f"start: must be one of {', '.join(HALTING_START)}")
+    if threshold is not None and CRITERIA[criterion].reads:
+      name = CRITERIA[criterion].reads[0]
+      kw[name] = int(threshold) if name == "patience" else float(threshold)
+    return cls(criterion, **kw)
+
+  def row(self) -> dict:
+    """The criterion and the thresholds it reads, as a table's row shows them."""
+    reads = CRITERIA[self.criterion].reads
+    return {"criterion": self.criterion} | {f: getattr(self, f) for f in reads}
+
+  def check(self, model_cfg, field: str, name: str = "this model") -> None:
+    """ConfigError (on `field`) unless the model `model_cfg` can run the rule."""
+    if self.criterion == "gate" and not model_cfg.exit_gate:
+      raise ConfigError(f"{field}: 'gate' reads an exit gate (Ouro's); {name} has none")
+
+  def limits(self, T: int | None) -> "Limits":
+    """The thresholds as criteria read them; `T`: the length kl_entropy_len's
+    entropy bound follows (None: one token at a time, no length term)."""
+    tau_seq = self.tau + self.tau_len / T if T else self.tau
+    return Limits(self.eps, self.tau, self.patience, tau_seq, self.threshold)
+
+  def first(self, logp) -> "Trail":
+    """What iteration 1 is compared with, given the initial state's answer
+    `logp` (U, V): it ("readout"), or ("uniform") a uniform distribution, an
+    entropy and an argmax that no answer matches."""
+    U = logp.shape[:-1]
+    if self.start == "uniform":
+      logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
+      entropy, argmax = jnp.full(U, jnp.inf), jnp.full(U, -1)
+    else:
+      entropy, argmax = entropy_of(logp), logp.argmax(-1)
+    return Trail(logp, entropy, argmax, jnp.zeros(U, jnp.int32), jnp.zeros(U))
+
+  def settled(self, trail: "Trail", logp, h, h_prev, lam, limits, per_token: bool):
+    """(whether each unit's answer has settled (U,), the trail the next
+    iteration compares with) after an iteration whose answer is `logp` and
+    state `h` (`h_prev` before it); `lam`: the gate's chance of exiting now."""
+    streak = jnp.where(logp.argmax(-1) == trail.argmax, trail.streak + 1, 0)
+    cdf = trail.exit_cdf + lam * (1 - trail.exit_cdf)
+    step = Step(logp, trail.logp, trail.entropy, h, h_prev, streak, cdf, per_token)
+    new = Trail(logp, entropy_of(logp), logp.argmax(-1), streak, cdf)
+    return CRITERIA[self.criterion].settled(step, limits), new
+
+
+# The `analyze.halting` field holding each threshold's grid (a criterion's
+# other thresholds are the field of their own name: tau, tau_len).
+GRIDS = {"eps": "eps", "tau": "tau_grid", "patience": "patience", "threshold": "gate"}
+
+
+def grid(cfg) -> list[Rule]:
+  """The rules of the `analyze.halting` config: each criterion over the grid
+  of the first threshold it reads."""
+  rules = []
+  for criterion in cfg.criteria:
+    common = dict(r_min=cfg.r_min, start=cfg.start, seq_len=cfg.seq_len)
+    swept, *fixed = CRITERIA[criterion].reads or (None,)
+    common |= {f: cfg[f] for f in fixed}
+    values = cfg[GRIDS[swept]] if swept else (None,)
+    rules += [
+      Rule(criterion, **common, **({swept: v} if swept else {})) for v in values
+    ]
+  return rules
 
 
 def adaptive(
   model,
   tokens_BT,
   answer_pos_B=None,
+  rule: Rule = Rule("kl_entropy"),
   *,
-  criterion: str = "kl_entropy",
-  r_min: int = 1,
   r_max: int = 16,
-  eps: float = 1e-3,
-  tau: float = 3.0,
-  tau_len: float = 12.0,
-  seq_len: int = 0,
-  patience: int = 2,
-  threshold: float = 0.5,
-  start: str = "readout",
   unroll: int = 4,
   key=None,
 ):
@@ -82,14 +176,9 @@ def adaptive(
   so the loop's own cost is paid once per `unroll` iterations; at most
   `unroll - 1` iterations are computed after the last unit halts.
   """
-  settled_fn = CRITERIA[criterion]
-  if criterion == "gate" and not model.cfg.exit_gate:
-    raise ConfigError(
-      "analyze.halting.criteria: 'gate' reads a model's exit gate (Ouro's); "
-      "this model has none"
-    )
-  T = seq_len or tokens_BT.shape[1]
-  limits = Limits(eps, tau, patience, tau + tau_len / T, threshold)
+  CRITERIA[rule.criterion]  # an unknown name: KeyError before any tracing
+  rule.check(model.cfg, "analyze.halting.criteria")
+  limits = rule.limits(rule.seq_len or tokens_BT.shape[1])
   per_token = answer_pos_B is None
   x_BTD, h_BTD = model.encode(tokens_BT, key)
 
@@ -97,31 +186,23 @@ def adaptive(
     return jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
 
   def exit_logit(h_BTD):
-    if criterion != "gate":  # a model without a gate has none to read
+    if rule.criterion != "gate":  # a model without a gate has none to read
       return jnp.zeros(h_BTD.shape[: 2 if per_token else 1])
     if not per_token:
       h_BTD = jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)
     g = model.exit_logit(h_BTD)
     return g if per_token else g[:, 0]
 
-  logp = answer(model.end_iteration(h_BTD))  # read as an iteration's output is
-  U = logp.shape[:-1]
-  if start == "uniform":
-    logp = jnp.full_like(logp, -jnp.log(logp.shape[-1]))
-    entropy, argmax = jnp.full(U, jnp.inf), jnp.full(U, -1)
-  else:
-    entropy, argmax = entropy_of(logp), logp.argmax(-1)
+  # the initial state read as an iteration's output is
+  trail = rule.first(answer(model.end_iteration(h_BTD)))
+  U = trail.entropy.shape
   init = Carry(
     t=jnp.zeros((), jnp.int32),
     h=h_BTD,
-    logp=logp,  # a halted unit's: frozen
-    logp_prev=logp,
-    entropy=entropy,
-    argmax=argmax,
-    exit_cdf=jnp.zeros(U),
+    logp=trail.logp,  # a halted unit's: frozen
+    trail=trail,
     halted=jnp.zeros(U, bool),
     iters=jnp.zeros(U, jnp.int32),
-    streak=jnp.zeros(U, jnp.int32),
   )
 
   def cond(c):
@@ -133,20 +214,15 @@ def adaptive(
     running = c.t < r_max  # False for an unrolled iteration past r_max
     t = c.t + running
     lam = jax.nn.sigmoid(exit_logit(h_new))
-    step = next_step(c, logp_new, h_new, lam, per_token)
-    settled = settled_fn(step, limits)
+    settled, trail = rule.settled(c.trail, logp_new, h_new, c.h, lam, limits, per_token)
     active = ~c.halted & running
     return Carry(
       t=t,
       h=h_new,
       logp=jnp.where(active[..., None], logp_new, c.logp),
-      logp_prev=logp_new,
-      entropy=entropy_of(logp_new),
-      argmax=logp_new.argmax(-1),
-      exit_cdf=step.exit_cdf,
-      halted=c.halted | (active & settled & (t >= r_min)),
+      trail=trail,
+      halted=c.halted | (active & settled & (t >= rule.r_min)),
       iters=jnp.where(active, t, c.iters),
-      streak=step.streak,
     )
 
   def body(c):
@@ -158,17 +234,23 @@ def adaptive(
   return out.logp, out.iters
 
 
+class Trail(NamedTuple):
+  """What a criterion compares an iteration with, per unit."""
+
+  logp: jax.Array  # (U, V) the last iteration's answer
+  entropy: jax.Array  # (U,) its entropy
+  argmax: jax.Array  # (U,) its argmax
+  streak: jax.Array  # (U,) iterations the argmax has not changed
+  exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
+
+
 class Carry(NamedTuple):
   t: jax.Array  # iterations run
   h: jax.Array  # (B, T, D)
   logp: jax.Array  # (U, V) each unit's answer, frozen once it halts
-  logp_prev: jax.Array  # (U, V) the last iteration's answer
-  entropy: jax.Array  # (U,) its entropy
-  argmax: jax.Array  # (U,) its argmax
-  exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
+  trail: Trail
   halted: jax.Array
   iters: jax.Array  # (U,) iterations each unit used
-  streak: jax.Array  # (U,) iterations the argmax has not changed
 
 
 class Step(NamedTuple):
@@ -182,16 +264,6 @@ class Step(NamedTuple):
   streak: jax.Array  # (U,) iterations the argmax has not changed
   exit_cdf: jax.Array  # (U,) the gate's cumulative exit probability
   per_token: bool  # U = (B, T), not (B,)
-
-
-def next_step(c, logp, h, lam, per_token: bool) -> Step:
-  """What a criterion sees after an iteration whose answer is `logp` and state
-  `h`, given the carry `c` of the one before (its logp_prev, entropy, argmax,
-  streak, exit_cdf and h; any loop's that halts by these criteria) and
-  `lam`, the gate's chance of exiting now (0 without a gate)."""
-  streak = jnp.where(logp.argmax(-1) == c.argmax, c.streak + 1, 0)
-  cdf = c.exit_cdf + lam * (1 - c.exit_cdf)
-  return Step(logp, c.logp_prev, c.entropy, h, c.h, streak, cdf, per_token)
 
 
 class Limits(NamedTuple):
@@ -233,23 +305,34 @@ def _cosine_gap(s: Step):
   return _token_mean(s, 1 - cos)
 
 
-# name -> whether each unit's answer has settled (U,); one for each of
-# `names.HALTING_CRITERIA`, the names config validation knows.
+class Criterion(NamedTuple):
+  """Whether each unit's answer has settled (U,), from a `Step` and `Limits`;
+  the thresholds it reads, the first the one a grid sweeps."""
+
+  settled: Callable[[Step, Limits], jax.Array]
+  reads: tuple[str, ...] = ()
+
+
+# One for each of `names.HALTING_CRITERIA`, the names config validation knows.
 CRITERIA = {
-  "kl_entropy": lambda s, l: (
-    (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau)
+  "kl_entropy": Criterion(
+    lambda s, l: (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau),
+    ("eps", "tau"),
   ),
-  "kl_entropy_len": lambda s, l: (
-    (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau_seq)
+  "kl_entropy_len": Criterion(
+    lambda s, l: (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau_seq),
+    ("eps", "tau", "tau_len"),
   ),
-  "kl": lambda s, l: _kl(s.logp, s.logp_prev) < l.eps,
-  "kl_reverse": lambda s, l: _kl(s.logp_prev, s.logp) < l.eps,
-  "entropy": lambda s, l: entropy_of(s.logp) < l.tau,
-  "entropy_diff": lambda s, l: jnp.abs(entropy_of(s.logp) - s.entropy_prev) < l.eps,
-  "latent": lambda s, l: _latent(s, l.eps),
-  "latent_diff": lambda s, l: _latent_diff(s) < l.eps,
-  "cosine": lambda s, l: _cosine_gap(s) < l.eps,
-  "argmax": lambda s, l: s.streak >= l.patience,
-  "gate": lambda s, l: s.exit_cdf >= l.threshold,
-  "fixed": lambda s, l: jnp.zeros(s.streak.shape, bool),
+  "kl": Criterion(lambda s, l: _kl(s.logp, s.logp_prev) < l.eps, ("eps",)),
+  "kl_reverse": Criterion(lambda s, l: _kl(s.logp_prev, s.logp) < l.eps, ("eps",)),
+  "entropy": Criterion(lambda s, l: entropy_of(s.logp) < l.tau, ("tau",)),
+  "entropy_diff": Criterion(
+    lambda s, l: jnp.abs(entropy_of(s.logp) - s.entropy_prev) < l.eps, ("eps",)
+  ),
+  "latent": Criterion(lambda s, l: _latent(s, l.eps), ("eps",)),
+  "latent_diff": Criterion(lambda s, l: _latent_diff(s) < l.eps, ("eps",)),
+  "cosine": Criterion(lambda s, l: _cosine_gap(s) < l.eps, ("eps",)),
+  "argmax": Criterion(lambda s, l: s.streak >= l.patience, ("patience",)),
+  "gate": Criterion(lambda s, l: s.exit_cdf >= l.threshold, ("threshold",)),
+  "fixed": Criterion(lambda s, l: jnp.zeros(s.streak.shape, bool)),
 }

@@ -76,14 +76,16 @@ def test_halts_where_the_reference_says(setup, criterion):
       model,
       t,
       p,
-      criterion=criterion,
-      r_min=R_MIN,
+      halting.Rule(
+        criterion,
+        r_min=R_MIN,
+        eps=float(eps.get(criterion, 0.0)),
+        tau=tau - 12 / 50 if criterion == "kl_entropy_len" else tau,
+        tau_len=12.0,
+        seq_len=50,
+        patience=2,
+      ),
       r_max=R_MAX,
-      eps=float(eps.get(criterion, 0.0)),
-      tau=tau - 12 / 50 if criterion == "kl_entropy_len" else tau,
-      tau_len=12.0,
-      seq_len=50,
-      patience=2,
     )
   )(tokens, pos)
   iters = np.asarray(iters)
@@ -96,7 +98,7 @@ def test_halts_where_the_reference_says(setup, criterion):
 
 def test_fixed_runs_r_max_like_the_model(setup):
   model, tokens, pos, _, logps = setup
-  logp, iters = halting.adaptive(model, tokens, pos, criterion="fixed", r_max=R_MAX)
+  logp, iters = halting.adaptive(model, tokens, pos, halting.Rule("fixed"), r_max=R_MAX)
   assert (np.asarray(iters) == R_MAX).all()
   np.testing.assert_allclose(logp, logps[R_MAX], atol=1e-4)
   direct = jax.nn.log_softmax(model(tokens, pos, num_loops=R_MAX))
@@ -105,7 +107,8 @@ def test_fixed_runs_r_max_like_the_model(setup):
 
 def test_unknown_criterion():
   with pytest.raises(KeyError, match="'x'"):  # config.validate's one line: test_config
-    halting.adaptive(None, jnp.zeros((1, 3), int), jnp.zeros(1, int), criterion="x")
+    rule = halting.Rule("x")
+    halting.adaptive(None, jnp.zeros((1, 3), int), jnp.zeros(1, int), rule)
 
 
 def test_every_criterion_config_names_has_a_rule():
@@ -113,3 +116,43 @@ def test_every_criterion_config_names_has_a_rule():
 
   assert tuple(halting.CRITERIA) == HALTING_CRITERIA
   assert set(HALTING_LTG) <= set(HALTING_CRITERIA)
+
+
+def test_grid_sweeps_each_criterions_first_threshold():
+  """`analyze.halting` -> rules: each criterion over the grid of the first
+  threshold it reads, the others from their own fields; a row shows the
+  criterion and the thresholds it reads."""
+  from loopjax import config as config_lib
+
+  cfg = config_lib.base().analyze.halting
+  cfg.criteria = ("kl_entropy_len", "entropy", "argmax", "gate", "fixed")
+  rules = halting.grid(cfg)
+  assert [r.row() for r in rules] == (
+    [{"criterion": "kl_entropy_len", "eps": e, "tau": cfg.tau, "tau_len": cfg.tau_len}
+     for e in cfg.eps]
+    + [{"criterion": "entropy", "tau": t} for t in cfg.tau_grid]
+    + [{"criterion": "argmax", "patience": p} for p in cfg.patience]
+    + [{"criterion": "gate", "threshold": q} for q in cfg.gate]
+    + [{"criterion": "fixed"}]
+  )  # fmt: skip
+  assert {(r.r_min, r.start, r.seq_len) for r in rules} == {
+    (cfg.r_min, cfg.start, cfg.seq_len)
+  }
+
+
+def test_an_exit_rule_puts_its_threshold_where_its_criterion_reads_it():
+  from loopjax.errors import ConfigError
+
+  assert halting.Rule.exit("kl", 0.01) == halting.Rule("kl", eps=0.01, start="uniform")
+  assert halting.Rule.exit("entropy", 2).tau == 2.0
+  assert halting.Rule.exit("argmax", 3.0).patience == 3
+  assert halting.Rule.exit("gate", 0.7, start="readout").threshold == 0.7
+  with pytest.raises(ConfigError, match="not a per-token halting criterion"):
+    halting.Rule.exit("kl_entropy_len", 0.5)
+
+
+def test_a_rules_thresholds_are_its_leaves():
+  """Traced under jit (a sweep compiles once per criterion), the rest static."""
+  leaves, treedef = jax.tree.flatten(halting.Rule("kl", eps=0.1, r_min=2))
+  assert leaves == [0.1, 3.0, 12.0, 2, 0.5]
+  assert jax.tree.unflatten(treedef, leaves).r_min == 2

@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from experiments import lm as lm_experiment
-from loopjax.lm.generate import Exit, generate, left_pad
+from loopjax.halting import Rule
+from loopjax.lm.generate import generate, left_pad
 from loopjax.state import Model, build_model
 
 V, T = 64, 40
@@ -74,7 +75,7 @@ def test_a_row_ends_at_eos_or_its_stop_condition_and_the_batch_when_all_have():
 
 def test_exiting_never_is_decoding_at_every_recurrence():
   _, mod = model()
-  fixed = generate(mod, PROMPTS, 5, num_loops=4, exit=Exit("fixed"), keep_logits=True)
+  fixed = generate(mod, PROMPTS, 5, num_loops=4, exit=Rule("fixed"), keep_logits=True)
   plain = generate(mod, PROMPTS, 5, num_loops=4, keep_logits=True)
   assert fixed.tokens == plain.tokens and (fixed.iterations == 4).all()
   np.testing.assert_allclose(fixed.logits, plain.logits, atol=2e-4)
@@ -86,7 +87,7 @@ def test_tokens_that_exit_at_r_see_the_model_run_r_times():
   forward's at 2 recurrences, since iterations 1-2 of the prompt's cache do
   not depend on the later ones; the iterations recorded are 2."""
   m, mod = model(injection="add")
-  rule = Exit("entropy", tau=float("inf"), r_min=2)
+  rule = Rule("entropy", tau=float("inf"), r_min=2)
   out = generate(mod, PROMPTS[1:2], 5, num_loops=4, exit=rule, keep_logits=True)
   assert list(out.iterations[0]) == [4, 2, 2, 2, 2]
   text = jnp.asarray([PROMPTS[1] + out.tokens[0]])
@@ -98,7 +99,7 @@ def test_rows_exit_independently_of_the_rest_of_the_batch():
   """Huginn's KL rule at a threshold where tokens exit at different
   iterations: each row's tokens and iterations are its own prompt's alone."""
   _, mod = model(injection="add")
-  rule = Exit("kl_reverse", eps=1e-4, start="uniform")
+  rule = Rule("kl_reverse", eps=1e-4, start="uniform")
   batch = generate(mod, PROMPTS, 6, num_loops=4, exit=rule)
   used = set(batch.iterations[:, 1:].ravel().tolist())
   assert len(used) > 1, f"the rule should exit at several depths, got {used}"

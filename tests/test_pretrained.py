@@ -119,11 +119,11 @@ def test_huginns_exit_criteria_decide_as_its_reference_does(theirs):
                   overrides={"init_state": "zeros"})  # fmt: skip
   ids = jnp.asarray(ref["exit_ids"])
   threshold = float(ref[f"{theirs}_threshold"])
+  rule = halting.Rule(HUGINN_EXITS[theirs], eps=threshold, patience=int(threshold),
+                      start="uniform")  # fmt: skip
   logp_BV, iters_B = halting.adaptive(
-    model.module(), ids, jnp.full(len(ids), ids.shape[1] - 1),
-    criterion=HUGINN_EXITS[theirs], r_min=1, r_max=16, eps=threshold,
-    patience=int(threshold), start="uniform",
-  )  # fmt: skip
+    model.module(), ids, jnp.full(len(ids), ids.shape[1] - 1), rule, r_max=16
+  )
   want = ref[f"{theirs}_steps"]
   assert len(set(want)) > 2
   np.testing.assert_array_equal(iters_B, want)
@@ -155,8 +155,8 @@ def test_ouros_exit_gate_exits_each_token_where_its_reference_does():
   steps_RBTV = ref["logits"]
   for i, q in enumerate(ref["thresholds"]):
     logp_BTV, iters_BT = halting.adaptive(
-      model.module(), jnp.asarray(ref["ids"]), criterion="gate", r_max=4,
-      threshold=float(q),
+      model.module(), jnp.asarray(ref["ids"]), None,
+      halting.Rule("gate", threshold=float(q)), r_max=4,
     )  # fmt: skip
     want_BTV = ref[f"exit_logits_{i}"]
     dist_RBT = np.abs(steps_RBTV - want_BTV[None]).max(-1)

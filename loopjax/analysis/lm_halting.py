@@ -3,13 +3,14 @@ next-token prediction needs under each exit rule (`halting.adaptive` per
 token, one jitted while_loop per rule), and what exiting costs.
 
 For every (criterion, threshold) of the `analyze.halting` grid
-(`halting_sweep.settings`), over the real tokens with a next token: the mean
+(`halting.grid`), over the real tokens with a next token: the mean
 iterations used, the share exiting before r_max, how often the exit's argmax
 is the one at r_max, and the next-token loss at the exit against the loss at
 r_max. Huginn's rules compare from a uniform start (`analyze.halting.start`),
 Ouro's gate reads its cumulative exit probability.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -17,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from loopjax import halting
-from loopjax.analysis import halting_sweep
 
 
 def _nll(logp_BTV, targets_BT):
@@ -32,13 +32,12 @@ def _at_r_max(model, batch, key, *, r_max):
   return logp_BTV.argmax(-1), _nll(logp_BTV, batch["targets"])
 
 
-@functools.partial(jax.jit, static_argnames=("criterion", "r_min", "r_max", "start"))
-def _exits(model, batch, key, eps, tau, patience, threshold, **static):
+@functools.partial(jax.jit, static_argnames=("r_max",))
+def _exits(model, batch, key, rule: halting.Rule, *, r_max: int):
   """Per token at its exit: iterations used, the argmax, the loss."""
   logp_BTV, iters_BT = halting.adaptive(
-    model.module(), batch["inputs"], None, eps=eps, tau=tau, patience=patience,
-    threshold=threshold, key=key, **static,
-  )  # fmt: skip
+    model.module(), batch["inputs"], None, rule, r_max=r_max, key=key
+  )
   return iters_BT, logp_BTV.argmax(-1), _nll(logp_BTV, batch["targets"])
 
 
@@ -57,15 +56,14 @@ def table(model, batches: list, n: int, config, key) -> dict:
     [_at_r_max(model, b, key, r_max=cfg.r_max) for b in batches]
   )
   rows = []
-  for s in halting_sweep.settings(cfg):
-    kw = dict(
-      eps=s.get("eps", 0.0), tau=s.get("tau", 0.0), patience=s.get("patience", 0),
-      threshold=s.get("threshold", 1.0), criterion=s["criterion"],
-      r_min=cfg.r_min, r_max=cfg.r_max, start=cfg.start,
-    )  # fmt: skip
-    iters, arg, nll = tokens([_exits(model, b, key, **kw) for b in batches])
+  for rule in halting.grid(cfg):
+    # kl_entropy_len's length: the text's own (seq_len is LTG's padded chains)
+    rule = dataclasses.replace(rule, seq_len=0)
+    iters, arg, nll = tokens(
+      [_exits(model, b, key, rule, r_max=cfg.r_max) for b in batches]
+    )
     rows.append(
-      s
+      rule.row()
       | {
         "iterations": float(iters.mean()),
         "early": float((iters < cfg.r_max).mean()),

@@ -154,7 +154,7 @@ def bench_halting(config) -> dict:
   programs = {
     "scan, R=16": lambda p: nnx.merge(graphdef, p)(tokens, pos, num_loops=R),
     "while_loop, R=16 (fixed)": lambda p: halting.adaptive(
-      nnx.merge(graphdef, p), tokens, pos, criterion="fixed", r_max=R
+      nnx.merge(graphdef, p), tokens, pos, halting.Rule("fixed"), r_max=R
     )[0],
     "while_loop, kl_entropy": lambda p: halting.adaptive(
       nnx.merge(graphdef, p), tokens, pos, r_max=R

@@ -11,12 +11,12 @@ each call and only the new token's entries are written (not a copy of it).
 
 Every recurrence keeps its own keys and values (Huginn's "full" cache), or
 with `cache_slots` M < R iteration r keeps them in slot r mod M (Huginn's
-"compress-s" lookups: memory bounded by M whatever R). With
-an exit rule (`Exit`) a new token iterates until the rule holds on its
-next-token distribution (`halting.CRITERIA`, as `halting.adaptive` decides
-per token), then its state is frozen: the recurrences it skipped get the keys
-and values of its last one (Huginn's "latest" lookup), which is what later
-tokens attending at those recurrences see. The prompt is always run at R.
+"compress-s" lookups: memory bounded by M whatever R). With an exit rule
+(`halting.Rule.exit`) a new token iterates until the rule holds on its
+next-token distribution (as `halting.adaptive` decides per token), then its
+state is frozen: the recurrences it skipped get the keys and values of its
+last one (Huginn's "latest" lookup), which is what later tokens attending at
+those recurrences see. The prompt is always run at R.
 """
 
 import dataclasses
@@ -31,40 +31,7 @@ import numpy as np
 from loopjax import halting
 from loopjax.errors import ConfigError
 from loopjax.model.transformer import cached_iterations
-from loopjax.names import HALTING_START
 from loopjax.state import Model
-
-
-class Exit(NamedTuple):
-  """An exit rule for new tokens: `criterion` one of `halting.CRITERIA`, with
-  the limits it reads (see `halting`); `start` what iteration 1 compares
-  with ("uniform": Huginn's, "readout": the first state's readout)."""
-
-  criterion: str
-  eps: float = 1e-3
-  tau: float = 3.0
-  patience: int = 2
-  threshold: float = 0.5
-  r_min: int = 1
-  start: str = "uniform"
-
-  @classmethod
-  def of(cls, criterion: str, threshold: float | None = None, **kw) -> "Exit":
-    """The rule with its one threshold put where its criterion reads it
-    (eps, tau, patience or the gate's threshold; None: the default)."""
-    names = [c for c in halting.CRITERIA if c != "kl_entropy_len"]
-    if criterion not in names:  # kl_entropy_len's bound follows a padded length
-      raise ConfigError(
-        f"exit: {criterion!r} is not a per-token halting criterion (one of "
-        f"{', '.join(names)})"
-      )
-    if kw.get("start", "uniform") not in HALTING_START:
-      raise ConfigError(f"start: must be one of {', '.join(HALTING_START)}")
-    if threshold is not None:
-      field = {"entropy": "tau", "argmax": "patience", "gate": "threshold"}
-      name = field.get(criterion, "eps")
-      kw[name] = int(threshold) if name == "patience" else float(threshold)
-    return cls(criterion, **kw)
 
 
 @dataclasses.dataclass
@@ -113,11 +80,7 @@ class _Carry(NamedTuple):
   t: jax.Array  # iterations run
   h: jax.Array  # (B, 1, D), frozen once a row exits
   logits: jax.Array  # (B, 1, V) the readout at each row's exit so far
-  logp_prev: jax.Array  # (B, 1, V) the last iteration's
-  entropy: jax.Array  # (B, 1) its entropy
-  argmax: jax.Array  # (B, 1)
-  streak: jax.Array  # (B, 1)
-  exit_cdf: jax.Array  # (B, 1)
+  trail: halting.Trail  # what the next iteration is compared with, (B, 1)
   done: jax.Array  # (B,)
   iters: jax.Array  # (B,)
   kv: list  # per core layer, the token's keys and values at its last iteration
@@ -127,7 +90,7 @@ class _Carry(NamedTuple):
   jax.jit, static_argnames=("rule", "num_loops"), donate_argnames=("cache",)
 )
 def exit_step(
-  model: Model, token_B, cache, offset, key, start_B, rule: Exit, num_loops=None
+  model: Model, token_B, cache, offset, key, start_B, rule: halting.Rule, num_loops=None
 ):
   """`decode_step` with each row's new token exiting by `rule`: (logits at
   its exit (B, V), the cache, the iterations it used (B,)). Every row runs
@@ -135,8 +98,7 @@ def exit_step(
   reads and leaves in the cache, not the step's compute."""
   m = model.module()
   x_BTD, h_BTD, new = m.decode_in(token_B[:, None], cache, offset, key, start_B)
-  limits = halting.Limits(rule.eps, rule.tau, rule.patience, rule.tau, rule.threshold)
-  settled_fn = halting.CRITERIA[rule.criterion]
+  limits = rule.limits(None)  # one token: kl_entropy_len is no exit rule
 
   def read(h_BTD):  # the next-token logits from a state (B, 1, V)
     return m.decode_out(h_BTD, cache, offset, start_B)
@@ -144,12 +106,8 @@ def exit_step(
   B, V = token_B.shape[0], m.unembedding.shape[-1]
   if rule.start == "uniform":  # nothing read yet: the first state is not
     logits = jnp.zeros((B, 1, V), jnp.float32)
-    logp = jnp.full_like(logits, -jnp.log(V))
-    entropy, argmax = jnp.full((B, 1), jnp.inf), jnp.full((B, 1), -1)
   else:
     logits = read(m.end_iteration(h_BTD))
-    logp = jax.nn.log_softmax(logits)
-    entropy, argmax = halting.entropy_of(logp), logp.argmax(-1)
 
   def new_entry(a, slot):  # the new token's keys or values at `slot` (B, 1, K, H)
     B, _, K, H = a.shape[1:]
@@ -159,11 +117,7 @@ def exit_step(
     t=jnp.zeros((), jnp.int32),
     h=h_BTD,
     logits=logits,
-    logp_prev=logp,
-    entropy=entropy,
-    argmax=argmax,
-    streak=jnp.zeros((B, 1), jnp.int32),
-    exit_cdf=jnp.zeros((B, 1)),
+    trail=rule.first(jax.nn.log_softmax(logits)),
     done=jnp.zeros((B,), bool),
     iters=jnp.zeros((B,), jnp.int32),
     kv=jax.tree.map(lambda a: new_entry(a, 0), cache["core"]),  # (a shape)
@@ -185,21 +139,16 @@ def exit_step(
       kv,
     )
     logits = read(h_new)
-    logp = jax.nn.log_softmax(logits)
     gate = rule.criterion == "gate"  # a model without one has none to read
     lam = jax.nn.sigmoid(m.exit_logit(h_new)) if gate else 0.0
-    step = halting.next_step(c, logp, h_new, lam, True)
-    settled_B = settled_fn(step, limits)[:, 0] & (t >= rule.r_min)
+    logp = jax.nn.log_softmax(logits)
+    settled_B1, trail = rule.settled(c.trail, logp, h_new, c.h, lam, limits, True)
     carry = _Carry(
       t=t,
       h=jnp.where(done_B1[..., None], c.h, h_new),
       logits=jnp.where(done_B1[..., None], c.logits, logits),
-      logp_prev=logp,
-      entropy=halting.entropy_of(logp),
-      argmax=logp.argmax(-1),
-      streak=step.streak,
-      exit_cdf=step.exit_cdf,
-      done=c.done | settled_B,
+      trail=trail,
+      done=c.done | (settled_B1[:, 0] & (t >= rule.r_min)),
       iters=jnp.where(c.done, c.iters, t),
       kv=kv,
     )
@@ -221,7 +170,7 @@ def generate(
   seed: int = 0,
   eos_id: int | None = None,
   stop: Callable[[list[int]], bool] | None = None,
-  exit: Exit | None = None,
+  exit: halting.Rule | None = None,
   cache_slots: int | None = None,
   keep_logits: bool = False,
   pad_to: tuple[int, int] = (0, 0),

@@ -35,8 +35,8 @@ from lm_eval.api.registry import register_model
 
 from loopjax.errors import ConfigError, exit_with, first_line
 from loopjax.field_rules import ENUMS
+from loopjax.halting import Rule
 from loopjax.lm import scoring
-from loopjax.lm.generate import Exit
 
 MAX_GEN_TOKS = 256  # new tokens where a task does not say (the harness's hf model's)
 
@@ -113,7 +113,7 @@ class LoopjaxLM(TemplateLM):
     super().__init__()
     batch_size = _batch_size(batch_size)
     _checked(locals())
-    rule = Exit.of(exit, threshold, r_min=r_min, start=start) if exit else None
+    rule = Rule.exit(exit, threshold, r_min=r_min, start=start) if exit else None
     loaded = scoring.load(
       hf_dir=pretrained or hf_dir, workdir=workdir, step=step, num_loops=num_loops,
       dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
@@ -320,7 +320,7 @@ def run(
       f"--tasks: unknown task {unknown[0]!r} ({_why_unknown(unknown[0], include_path)})"
     )
   out = Path(workdir).expanduser() / "lm_eval"
-  rule = Exit.of(exit, threshold) if exit else None
+  rule = Rule.exit(exit, threshold) if exit else None
   model = LoopjaxLM.of(
     scoring.opened(config, workdir, step=step, exit=rule, batch_size=batch_size)
   )

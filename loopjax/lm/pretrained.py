@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from loopjax import config as config_lib
-from loopjax import restore
+from loopjax import halting, restore
 from loopjax.analysis import registry, stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
@@ -43,13 +43,9 @@ def prepare(config, workdir):
       f"({config.analyze.max_depth})"
     )
   task = prompts_lib.lm_data(config, opened.text.tokenizer_json, prompts)
-  h = config.analyze.halting
-  names = config_lib.analyses(config)
-  if "halting" in names and "gate" in h.criteria and not cfg.exit_gate:
-    raise ConfigError(
-      "analyze.halting.criteria: 'gate' reads an exit gate (Ouro's); "
-      f"{opened.name} has none"
-    )
+  if "halting" in config_lib.analyses(config):
+    for rule in halting.grid(config.analyze.halting):
+      rule.check(cfg, "analyze.halting.criteria", opened.name)
   wd = Workdir(workdir)
   wd.check(config)
   wd.check_writable()

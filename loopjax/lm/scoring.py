@@ -21,7 +21,7 @@ import numpy as np
 from loopjax import halting, recurrence, restore
 from loopjax.data import lm
 from loopjax.errors import ConfigError
-from loopjax.lm.generate import Exit, generate
+from loopjax.lm.generate import generate
 from loopjax.state import Model
 from loopjax.workdir import Workdir
 
@@ -46,12 +46,10 @@ def _fixed(model: Model, tokens_BT, key, *, num_loops: int):
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "num_loops"))
-def _exiting(model: Model, tokens_BT, key, *, rule: Exit, num_loops: int):
+def _exiting(model: Model, tokens_BT, key, *, rule: halting.Rule, num_loops: int):
   return halting.adaptive(
-    model.module(), tokens_BT, None, criterion=rule.criterion, r_min=rule.r_min,
-    r_max=num_loops, eps=rule.eps, tau=rule.tau, patience=rule.patience,
-    threshold=rule.threshold, start=rule.start, key=key,
-  )  # fmt: skip
+    model.module(), tokens_BT, None, rule, r_max=num_loops, key=key
+  )
 
 
 @functools.partial(jax.jit, static_argnames=("depths",))
@@ -108,7 +106,7 @@ class Scorer:
     depths: tuple[int, ...] = (),
     max_length: int | None = None,
     batch_size: int = 8,
-    exit: Exit | None = None,
+    exit: halting.Rule | None = None,
     seed: int = 0,
   ):
     self.model, self.num_loops, self.exit = model, num_loops, exit
@@ -260,11 +258,8 @@ def opened(
   """The language model `config` opens (`restore.language_model`) as a
   `Scorer`, every input checked (ConfigError) before a weight is read."""
   source = restore.language_model(config, workdir, num_loops)
-  rule = scorer_kw.get("exit")
-  if rule is not None and rule.criterion == "gate" and not source.cfg.exit_gate:
-    raise ConfigError(
-      f"exit: 'gate' reads an exit gate (Ouro's); {source.name} has none"
-    )
+  if (rule := scorer_kw.get("exit")) is not None:
+    rule.check(source.cfg, "exit", source.name)
   template, specials = chat_template(source.directory)
   scorer = Scorer(
     source.model(step), source.text, num_loops=source.num_loops,
