@@ -131,7 +131,15 @@ def run(model, batch, num_loops: int, key=None) -> dict:
     readout=lambda carry: carry[2],
   )
   _, coda = _group(m.coda, m.coda_in(h_BTD), batch, first_BT, m.logits)
-  for name, group in (("prelude", prelude), ("coda", coda)):  # (P, B, ...)
+  groups = {"prelude": prelude, "coda": coda}
+  return _outputs(out, groups, ys, last, read, P, real_BT) | {
+    "attention": _attention(ys, last) | baselines
+  }
+
+
+def _outputs(out, groups, ys, last, read, P, real_BT) -> dict:
+  """`run`'s layer statistics, batch axis first, and its fixed points."""
+  for name, group in groups.items():  # (P, B, ...)
     out[name] = _batch_first(group["layer"], 1)
     out[f"{name}_heads"] = _batch_first(group["heads"], 1)
   out["core"], out["core_heads"] = (
@@ -144,8 +152,12 @@ def run(model, batch, num_loops: int, key=None) -> dict:
   curves["update"] = ys["curves"]["update"][2:]
   limits = fixed_points.limit_metrics(read, last["h"], last["ring"][:P], last["read"])
   out["fixed_points"] = fixed_points.tokens_first(curves | limits) | {"real": real_BT}
+  return out
+
+
+def _attention(ys, last) -> dict:
+  """`run`'s attention statistics, batch axis first (without the baselines)."""
   heads = {k: ys["heads"][k] for k in ("sink", "top_share", "entropy", "concentration")}
-  out["attention"] = _batch_first(heads | {"stability": ys["stability"][1:]}, 2)
-  out["attention"]["profile"] = _batch_first(last["colsum"], 1)[:, None]
-  out["attention"] |= baselines
+  out = _batch_first(heads | {"stability": ys["stability"][1:]}, 2)
+  out["profile"] = _batch_first(last["colsum"], 1)[:, None]
   return out
