@@ -24,6 +24,7 @@ from loopjax.errors import ConfigError
 from loopjax.model import attention_kernels
 
 GIB = 2**30
+STATE = "params, Adam moments, gradient"  # float32: 16 bytes per parameter
 
 
 def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
@@ -33,7 +34,7 @@ def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
   rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
   _, T = task.model_dims()
   size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  out = {"params, Adam moments, gradient": 16 * size / mesh.devices.size}
+  out = {STATE: 16 * size / mesh.devices.size}
   platform = mesh.devices.flat[0].platform
   packed = family.packs_documents and m.document_mask
   kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
@@ -63,8 +64,13 @@ def check(config, family, task, mesh, params) -> None:
   need = sum(terms.values())
   if need > have:
     big = max(terms, key=terms.get)
+    fields = (  # the state's shard grows with the model, not the batch
+      "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
+      if big == STATE
+      else "train.batch_size, data.seq_len"
+    )
     raise ConfigError(
-      f"train.batch_size, data.seq_len: a step needs at least {need / GIB:.1f} "
+      f"{fields}: a step needs at least {need / GIB:.1f} "
       f"GiB per device ({big}: {terms[big] / GIB:.1f} GiB; batch "
       f"{config.train.batch_size}, {task.model_dims()[1]} tokens) and "
       f"{what} is {have / GIB:.1f} GiB"

@@ -61,6 +61,13 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_compiles(
     "(document mask (B, T, T): 128.0 GiB; batch 134217728, 32 tokens) and "
   )
   assert not (tmp_path / "run").exists()
+  lm_config.train.batch_size = 8
+  lm_config.model.d_model = 2**17  # 2 TB of state: the model's fields are named
+  with pytest.raises(ConfigError) as e:
+    train.train_and_evaluate(lm_config, tmp_path / "run")
+  assert str(e.value).startswith(
+    "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor: a step needs "
+  ), str(e.value)
 
 
 @pytest.mark.slow  # five CLI processes, ~30 s
