@@ -254,7 +254,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   if m.hf_dir or d.source.startswith("prompts:"):
     task_checks.pretrained(c)
   else:
-    rules.check(c)
+    task.imported(rules.check)(c)
   allowed = rules.analyses
   if wrong := [n for n in a.names if n not in allowed]:
     raise ConfigError(

@@ -7,8 +7,8 @@ shapes of its batches (ahead-of-time compiles, benchmarks) and the line a
 finished run prints. The loop, checkpoints, sharding and recurrence are shared
 and never ask which family they serve.
 
-`FAMILIES` is strings and JAX-free functions, as big_vision names its
-evaluators: config validation reads a family's rules and analyses in a
+`FAMILIES` is strings, as big_vision names its evaluators: config
+validation reads a family's rules (a JAX-free module) and analyses in a
 fraction of a second, `data.load` its reader, and `for_config` imports the
 family's class only when a run needs it. A new family is a package beside
 `kg/` and `lm/` (its `Family` subclass, its reader) and one line here.
@@ -19,7 +19,6 @@ import functools
 import importlib
 from typing import NamedTuple
 
-from loopjax import task_checks
 from loopjax.analysis import registry
 from loopjax.errors import ConfigError
 
@@ -29,7 +28,7 @@ class Record(NamedTuple):
 
   family: str  # "module:Class" of its Family subclass
   read: str  # "module:function": its data (`data.load`) from the config's `data`
-  check: object  # its config rules, a function of the config (task_checks.py)
+  check: str  # "module:function": its config rules (JAX-free: task_checks.py)
   analyses: dict[str, registry.Entry]  # its table in analysis/registry.py
   default_analyses: tuple[str, ...]  # those `--mode=analyze` runs by default
 
@@ -38,21 +37,21 @@ FAMILIES = {
   "composition": Record(
     "loopjax.kg.task:Composition",
     "loopjax.data:knowledge_graph",
-    task_checks.composition,
+    "loopjax.task_checks:composition",
     registry.KG,
     tuple(registry.KG),
   ),
   "chains": Record(
     "loopjax.kg.task:Chains",
     "loopjax.data:knowledge_graph",
-    task_checks.chains,
+    "loopjax.task_checks:chains",
     registry.KG,
     tuple(registry.KG),
   ),
   "lm": Record(
     "loopjax.lm.task:LanguageModel",
     "loopjax.data:text",
-    task_checks.lm,
+    "loopjax.task_checks:lm",
     registry.LM,
     registry.shared(registry.LM),
   ),
