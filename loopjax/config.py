@@ -13,7 +13,7 @@ import json
 
 import ml_collections
 
-from loopjax import field_rules, task_checks
+from loopjax import field_rules, task, task_checks
 from loopjax.errors import ConfigError
 from loopjax.names import HALTING_LTG
 
@@ -192,7 +192,7 @@ def base() -> ml_collections.ConfigDict:
   # A language model (registry.LM): the first lm_windows validation windows;
   # sink_threshold, the attention mass on the first token that makes a sink.
   c.analyze = dict(
-    names=(),  # (): the task family's (task_checks.RULES)
+    names=(),  # (): the task family's (task.FAMILIES)
     max_depth=64,
     batch_size=256,
     tol=1e-3,
@@ -227,7 +227,7 @@ def base() -> ml_collections.ConfigDict:
 
 def analyses(c) -> tuple[str, ...]:
   """`analyze.names`, or the task family's analyses where it is empty."""
-  return tuple(c.analyze.names) or task_checks.RULES[c.data.task].default_analyses
+  return tuple(c.analyze.names) or task.FAMILIES[c.data.task].default_analyses
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -250,11 +250,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
       "analyze.baseline_dir: a pretrained model's baseline; needs model.hf_dir"
     )
-  rules = task_checks.RULES[d.task]
+  rules = task.FAMILIES[d.task]
   if m.hf_dir or d.source.startswith("prompts:"):
     task_checks.pretrained(c)
   else:
-    rules.check(c)
+    task.imported(rules.check)(c)
   allowed = rules.analyses
   if wrong := [n for n in a.names if n not in allowed]:
     raise ConfigError(

@@ -4,12 +4,12 @@ that relate fields). JAX-free."""
 
 import math
 
-from loopjax import task_checks
+from loopjax import task
 from loopjax.errors import ConfigError
 from loopjax.names import ATTENTION_KERNELS, HALTING_CRITERIA, HALTING_START
 
 ENUMS = {
-  "data.task": tuple(task_checks.RULES),
+  "data.task": tuple(task.FAMILIES),
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
   "model.norm_position": ("pre", "sandwich", "residual", "post", "res_post"),

@@ -5,11 +5,9 @@ streamed analysis pass and sampling, a pretrained model's analysis and
 forward. Each reports memory per device, compile time and XLA's warnings
 (`python -m loopjax.aot` prints them)."""
 
-import math
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from loopjax import compiled, restore, sharding, state, train
@@ -18,7 +16,6 @@ from loopjax import task as task_lib
 from loopjax.analysis import depth_scan, registry
 from loopjax.bench import measure
 from loopjax.errors import ConfigError, first_line
-from loopjax.lm import generate
 
 
 def _batch(family, config, task, B: int, put) -> dict:
@@ -130,42 +127,20 @@ def check_pretrained(config, devices, target=None) -> dict:
 def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> dict:
   """A run's passes besides the train step: evaluation at its deepest
   iteration count over eval.batch_size rows (rounded up to the batch's
-  split, as the evaluators do); for a language model also the streamed
-  analysis pass (where the run's analyses use it) and sampling."""
+  split, as the evaluators do), the streamed analysis pass of a family whose
+  analyses stream (where the run's analyses use it) and the family's
+  sampling programs."""
   rules = tuple(config.sharding.rules)
-  split = sharding.batch_split(mesh, rules)
-  B = split * math.ceil(config.eval.batch_size / split)
+  B = sharding.eval_batch(mesh, rules, config.eval.batch_size)
   batch = _batch(family, config, task, B, sharding.batch_sharding(mesh, rules))
   step = family.eval_step(config, graphdef, mesh, shardings["params"])
   out = {f"evaluation, {B} rows": (step, (abstract["params"], batch))}
-  if not family.reads_every_position:  # a language model's windows below
-    return out
   model = state.Model(graphdef, abstract["params"], config.model.dtype)
-  if registry.shared(registry.LM, config_lib.analyses(config)):
+  table = task_lib.FAMILIES[config.data.task].analyses
+  if family.streams_analyses and registry.shared(table, config_lib.analyses(config)):
     name, analysis = _analysis(config, mesh, family, task, model)
     out[name] = analysis
-  return out | _sampling(config, task, model)
-
-
-def _sampling(config, task, model) -> dict:
-  """`python -m loopjax.sample`'s two programs for one prompt of half a window, its
-  cache as long as the window: the prefill and one new token."""
-  T, S, R = task.seq_len // 2, task.seq_len, config.model.num_loops
-  cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
-  token, offset = jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(T)
-  start = jax.ShapeDtypeStruct((1,), jnp.int32)
-  return {
-    f"sampling, prefill of {T} tokens": (
-      generate.prefill,
-      (model, tokens, cache, key, start),
-    ),
-    f"sampling, one token (cache of {S})": (
-      generate.decode_step,
-      (model, token, cache, offset, key, start),
-    ),
-  }
+  return out | family.sampling_programs(config, task, model)
 
 
 def check(config, devices, target=None) -> dict:

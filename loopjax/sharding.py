@@ -171,6 +171,15 @@ def batch_split(mesh, rules) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def eval_batch(mesh, rules, batch_size: int, rows: int | None = None) -> int:
+  """An evaluation's batch: `batch_size` rows (at most the `rows` there are)
+  rounded up to a multiple of the batch's split (no mesh: 1), so each device
+  holds as many; the evaluators pad the last batch."""
+  split = 1 if mesh is None else batch_split(mesh, rules)
+  n = batch_size if rows is None else min(batch_size, rows)
+  return split * math.ceil(n / split)
+
+
 def row_groups(
   mesh, rules, batch_size: int, process_of=lambda d: d.process_index
 ) -> dict[int, tuple[int, int]]:

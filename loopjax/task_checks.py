@@ -1,14 +1,12 @@
 """Config checks of the fields one task family reads (called by config.validate).
 
 Kept apart from the families' packages so that validating a config imports no
-JAX and no data library: a bad value fails in a fraction of a second. `RULES`
-holds each family's checker and analyses, by the family's `data.task` name.
+JAX and no data library: a bad value fails in a fraction of a second.
+`task.FAMILIES` names each family's checker.
 """
 
 from pathlib import Path
-from typing import NamedTuple
 
-from loopjax.analysis import registry
 from loopjax.errors import ConfigError
 
 MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
@@ -189,21 +187,3 @@ def init_from(c) -> None:
       f"data.tokenizer: must be '' or {path / 'tokenizer.json'} with "
       f"model.init_from (the model's own, set from it); got {d.tokenizer!r}"
     )
-
-
-class Rules(NamedTuple):
-  """A task family's config rules: its checker, the analyses it knows (its
-  table in analysis/registry.py), and those `--mode=analyze` runs when
-  `analyze.names` is empty."""
-
-  check: object
-  analyses: dict[str, registry.Entry]
-  default_analyses: tuple[str, ...]
-
-
-# data.task -> its family's rules (loopjax/task.py holds the families).
-RULES = {
-  "composition": Rules(composition, registry.KG, tuple(registry.KG)),
-  "chains": Rules(chains, registry.KG, tuple(registry.KG)),
-  "lm": Rules(lm, registry.LM, registry.shared(registry.LM)),
-}

@@ -3,6 +3,7 @@ the papers' JSON; text corpora tokenized for the language-model task (lm.py)."""
 
 import dataclasses
 
+from loopjax import task as task_lib
 from loopjax.data import grokked_json, lm, tfds_kg
 from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
 from loopjax.errors import ConfigError
@@ -11,8 +12,10 @@ __all__ = [
   "TaskData",
   "Vocab",
   "fingerprint",
+  "knowledge_graph",
   "load",
   "probes",
+  "text",
   "train_split",
 ]
 
@@ -20,9 +23,18 @@ _JSON = "grokked_json:"
 
 
 def load(data_cfg) -> TaskData | lm.LmData:
-  """The splits that `data_cfg.source` names."""
-  if data_cfg.task == "lm":
-    return _prepared(lambda: lm.read(data_cfg), data_cfg)
+  """The splits that `data_cfg.source` names, read by its task family's
+  reader (task.FAMILIES)."""
+  return task_lib.imported(task_lib.FAMILIES[data_cfg.task].read)(data_cfg)
+
+
+def text(data_cfg) -> lm.LmData:
+  """A language model's token streams (lm.py)."""
+  return _prepared(lambda: lm.read(data_cfg), data_cfg)
+
+
+def knowledge_graph(data_cfg) -> TaskData:
+  """A knowledge graph's splits: generated, or the papers' JSON."""
   if data_cfg.source.startswith(_JSON):  # config.validate: KG tasks only
     task = grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
   else:

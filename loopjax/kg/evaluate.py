@@ -5,8 +5,6 @@ One forward pass to the deepest requested depth reads the answer after every
 iteration, so all depths cost one compiled program and one pass over the data.
 """
 
-import math
-
 import jax
 import optax
 
@@ -59,10 +57,10 @@ class Evaluator:
     self.depths = sorted({int(d) for d in depths} | {self.R})
     self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
     self.pad, self.pad_to = task.vocab.pad_id, config.data.pad_to
-    split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
-    # A multiple of the split (eval_batches pads the last batch).
-    self.batch_size = split * math.ceil(min(config.eval.batch_size, longest) / split)
+    self.batch_size = sharding.eval_batch(
+      mesh, config.sharding.rules, config.eval.batch_size, longest
+    )
     self._eval_step = eval_step(
       config, graphdef, self.depths[-1], mesh, param_shardings
     )

@@ -1,20 +1,18 @@
 """The knowledge-graph families: 2-hop composition (grokking phases) and k-hop
-chains (an optional hop curriculum). task.py finds them by name."""
+chains (an optional hop curriculum). task.FAMILIES names them."""
 
 import numpy as np
 
 from loopjax import data, loss
 from loopjax.data import kg
-from loopjax.errors import ConfigError
 from loopjax.kg import curriculum, evaluate, grokking
+from loopjax.task import Family
 
 
-class _KnowledgeGraph:
+class _KnowledgeGraph(Family):
   """What composition and chains share: probe splits, the answer's loss."""
 
   loss_fn = staticmethod(loss.loss_fn)
-  reads_every_position = False
-  packs_documents = False
 
   def load(self, config):
     return data.load(config.data)
@@ -25,9 +23,6 @@ class _KnowledgeGraph:
   def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
     return evaluate.Evaluator(graphdef, config, task, depths, mesh, shardings)
 
-  def eval_depths(self, config) -> list[int]:
-    return list(config.eval.depths) or [config.model.num_loops]
-
   def eval_step(self, config, graphdef, mesh=None, shardings=None):
     deepest = max(self.eval_depths(config) + [config.model.num_loops])
     return evaluate.eval_step(config, graphdef, deepest, mesh, shardings)
@@ -37,19 +32,11 @@ class _KnowledgeGraph:
     title = f"accuracy at step {report['step']} by inference depth R:"
     return title, report["depths"], rows
 
-  def follow_phases(self, config, records: list[dict]) -> dict | None:
-    return None
-
   def analyze(self, config, workdir, task, model, step, out_dir, phases=True):
     from loopjax.kg import analyze  # figures: matplotlib, not needed to train
 
     split = self.main_split(config)
     return analyze.run(config, workdir, task, model, step, out_dir, split, phases)
-
-  def sample(self, config, workdir, prompt: str, **kw) -> str:
-    raise ConfigError(
-      f"python -m loopjax.sample: needs a language-model run; this one is {self.name!r}"
-    )
 
   def without_examples(self, config):
     return kg.without_examples(config.data)

@@ -74,9 +74,8 @@ class LmEvaluator:
     n = task.num_windows("validation")
     limit = config.data.valid_sequences
     self.windows = np.arange(min(n, limit) if limit else n)
-    split = 1 if mesh is None else sharding.batch_split(mesh, config.sharding.rules)
-    self.batch_size = split * math.ceil(
-      min(config.eval.batch_size, len(self.windows)) / split
+    self.batch_size = sharding.eval_batch(
+      mesh, config.sharding.rules, config.eval.batch_size, len(self.windows)
     )
     self.unigram_loss = unigram_loss(task, list(self._batches()))
     self._step = eval_step(config, graphdef, self.depths[-1], mesh, param_shardings)

@@ -86,6 +86,25 @@ class _Carry(NamedTuple):
   kv: list  # per core layer, the token's keys and values at its last iteration
 
 
+def programs(seq_len: int, num_loops: int, model: Model) -> dict:
+  """`python -m loopjax.sample`'s two programs for one prompt of half a
+  window, its cache as long as the window: the prefill and one new token,
+  {name: (jitted fn, abstract args)} for ahead-of-time compiles."""
+  T, S, R = seq_len // 2, seq_len, num_loops
+  cache = jax.eval_shape(lambda m: m.module().init_cache(1, S, R, m.dtype), model)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  tokens = jax.ShapeDtypeStruct((1, T), jnp.int32)
+  token, offset = jax.ShapeDtypeStruct((1,), jnp.int32), jnp.int32(T)
+  start = jax.ShapeDtypeStruct((1,), jnp.int32)
+  return {
+    f"sampling, prefill of {T} tokens": (prefill, (model, tokens, cache, key, start)),
+    f"sampling, one token (cache of {S})": (
+      decode_step,
+      (model, token, cache, offset, key, start),
+    ),
+  }
+
+
 @functools.partial(
   jax.jit, static_argnames=("rule", "num_loops"), donate_argnames=("cache",)
 )

@@ -1,26 +1,25 @@
 """The language-model family: next-token loss on packed text, validation loss
-per iteration count. task.py finds it by name."""
+per iteration count. task.FAMILIES names it."""
 
 import numpy as np
 
 from loopjax import data, loss
 from loopjax.data import lm
-from loopjax.lm import evaluate
+from loopjax.lm import evaluate, generate
+from loopjax.task import Family
 
 
-class LanguageModel:
+class LanguageModel(Family):
   """Looped LMs trained from scratch, retrofitted or loaded pretrained."""
 
   name = "lm"
   loss_fn = staticmethod(loss.lm_loss_fn)
   reads_every_position = True
   packs_documents = True
+  streams_analyses = True
 
   def load(self, config):
     return data.load(config.data)
-
-  def phase_names(self, config) -> tuple[str, ...]:
-    return ()
 
   def train_iterator(self, config, task, rows):
     return lm.train_iterator(task, config.train.batch_size, config.seed, rows)
@@ -28,12 +27,6 @@ class LanguageModel:
   def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
     """Every iteration count to max(eval.depths, R): `depths` is the config's."""
     return evaluate.LmEvaluator(graphdef, config, task, mesh, shardings)
-
-  def after_eval(self, config, step, metrics, phases, train_iter, state, tx):
-    return state, []
-
-  def finished(self, config, phases: dict) -> str | None:
-    return None
 
   def eval_depths(self, config) -> list[int]:
     return evaluate.depths(config)
@@ -53,9 +46,6 @@ class LanguageModel:
       rows,
     )
 
-  def follow_phases(self, config, records: list[dict]) -> dict | None:
-    return None
-
   def analyze(self, config, workdir, task, model, step, out_dir, phases=True):
     from loopjax.lm import analyze  # figures: matplotlib, not needed to train
 
@@ -65,6 +55,9 @@ class LanguageModel:
     from loopjax.lm import sample
 
     return sample.sample(config, workdir, prompt, **kw)
+
+  def sampling_programs(self, config, task, model) -> dict:
+    return generate.programs(task.seq_len, config.model.num_loops, model)
 
   def without_examples(self, config):
     return lm.without_streams(config.data)
