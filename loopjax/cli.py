@@ -114,7 +114,21 @@ def config(path: Path, training: bool = False):
       "--config is required" + ("" if training else " (or a workdir with config.json)")
     )
   config_lib.validate(c)
+  _cache_compiles(c.get("compile_cache", ""))
   return c if training else init_from.resolve(c)
+
+
+def _cache_compiles(where: str) -> None:
+  """Points JAX's persistent compilation cache at `compile_cache`, so a
+  restarted run (a preempted pod's, every resume) reaches its first step
+  without compiling again; JAX_COMPILATION_CACHE_DIR, where set, wins."""
+  import jax
+
+  if where == "off" or jax.config.jax_compilation_cache_dir:
+    return
+  home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+  path = Path(where).expanduser() if where else home / "loopjax" / "xla"
+  jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def run(main) -> None:

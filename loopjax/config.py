@@ -222,6 +222,9 @@ def base() -> ml_collections.ConfigDict:
   c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
   c.eval_every = 250  # 0: no in-loop evaluation (an evaluation job follows the run)
   c.log_every = 50
+  # XLA's compiled programs, kept across restarts and shared by a run's
+  # processes: "" is $XDG_CACHE_HOME/loopjax/xla (~/.cache), "off" keeps none.
+  c.compile_cache = ""
   return c
 
 

@@ -34,6 +34,7 @@ RESUMABLE = (
   "analyze",
   "mesh",  # a checkpoint restores on any mesh: where the math runs, not what
   "sharding",
+  "compile_cache",  # where compiled programs are kept, not what they compute
 )
 
 

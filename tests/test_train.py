@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import cli, losses, run, start, steps_on_disk
+from conftest import CPU_ENV, cli, losses, run, start, steps_on_disk
 
 from loopjax import evaluate, loss, metrics, train
 from loopjax.errors import ConfigError
@@ -296,3 +296,25 @@ def test_progress_off_a_terminal_is_plain_lines_at_an_interval():
     assert len(lines) == want and "\r" not in out.getvalue()
     assert lines[-1].startswith("train: step 5/5 (100%), ")
     assert lines[-1].endswith("loss=0.200 test_k2=0.500")
+
+
+@pytest.mark.slow  # two runs as processes, ~20 s
+def test_a_restarted_run_takes_its_train_step_from_the_compile_cache(
+  tiny_config, tmp_path
+):
+  """compile_cache (default: a user cache dir) holds XLA's programs across
+  restarts: the resumed run compiles no train step."""
+  env = {k: v for k, v in CPU_ENV.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  env |= {"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
+  logs = []
+  for steps in (20, 40):
+    cmd = cli(
+      tmp_path / "run", tiny_config.data.data_dir,
+      f"--config.compile_cache={tmp_path / 'xla'}", f"--config.train.num_steps={steps}",
+    )  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    logs.append(r.stderr)
+  assert "CACHE MISS for 'jit_train_step'" in logs[0]
+  assert "cache hit for 'jit_train_step'" in logs[1]
+  assert "CACHE MISS for 'jit_train_step'" not in logs[1]
