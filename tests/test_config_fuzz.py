@@ -103,7 +103,7 @@ def _apply_and_check(pairs):
     assert msg and "\n" not in msg and len(msg) < 400, msg
 
 
-@_settings(10)  # 300: -m slow
+@_settings(6)  # 300: -m slow
 @given(overrides)
 def test_random_overrides_fail_cleanly_or_run(pairs):
   _apply_and_check(pairs)

@@ -55,6 +55,8 @@ def stages(workdir):
   }
 
 
+# ~27 s of fixture: a curriculum run (test_paper and test_train keep resume in-suite).
+@pytest.mark.slow
 def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
   assert json.loads((whole / "phases.json").read_text()) == {
     "stage_3": 20,
@@ -214,6 +216,8 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
     np.testing.assert_allclose(got[name]["acc"], [res["acc"][d] for d in (1, 2, 3)])
 
 
+# Shares that run.
+@pytest.mark.slow
 def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
   """The official on-disk format (off-by-two labels, one line per file) trains
   with data.source=grokked_json:DIR on the very examples generated ones hold."""

@@ -242,6 +242,8 @@ def _file_size_limit(kib, cmd):
   return ["bash", "-c", 'trap "" XFSZ; ulimit -f "$0"; exec "$@"', str(kib), *cmd]
 
 
+# ~15 s: three runs as processes.
+@pytest.mark.slow
 def test_a_full_disk_under_the_logs_is_one_line_not_masked_by_clean_up(
   tiny_config, tmp_path
 ):

@@ -92,7 +92,7 @@ def test_repetition_is_the_share_of_variation_the_layer_explains():
 @pytest.mark.parametrize(
   "injection, norm_position, state_norm",
   [
-    ("add", "pre", False),
+    pytest.param("add", "pre", False, marks=pytest.mark.slow),  # ~18 s each
     pytest.param("concat", "post", False, marks=pytest.mark.slow),
     pytest.param("add", "residual", True, marks=pytest.mark.slow),
   ],

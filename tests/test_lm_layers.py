@@ -122,6 +122,8 @@ def test_blocked_attention_and_its_gradient_equal_the_explicit_softmax():
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
 
 
+# ~5 s; the Huginn parity fixture covers the placement.
+@pytest.mark.slow
 def test_residual_norm_placement_normalizes_the_stream_after_each_add():
   block = layers.Block(
     cfg(norm_position="residual", norm_type="rmsnorm"), rngs=nnx.Rngs(0)
@@ -148,6 +150,8 @@ def test_embed_scale_and_state_norm():
   np.testing.assert_allclose(np.sqrt((out**2).mean(-1)), 1.0, rtol=1e-3)
 
 
+# ~8 s; test_lm_model's cache test keeps decoding in-suite.
+@pytest.mark.slow
 def test_a_huginn_shaped_block_decodes_like_its_forward():
   from loopjax.lm.generate import generate
   from loopjax.state import Model

@@ -16,7 +16,11 @@ from loopjax.train import make_train_step
 from loopjax.workdir import Workdir
 
 GOLDEN = Path(__file__).parent / "golden"
-MESHES = [(8, 1, 1), (2, 2, 2), (1, 4, 2)]
+MESHES = [  # data x fsdp x tensor; the 3-axis one in the default suite (~9 s each)
+  pytest.param((8, 1, 1), marks=pytest.mark.slow),
+  (2, 2, 2),
+  pytest.param((1, 4, 2), marks=pytest.mark.slow),
+]
 
 
 @pytest.fixture(scope="module")
