@@ -114,7 +114,7 @@ def config(path: Path, training: bool = False):
       "--config is required" + ("" if training else " (or a workdir with config.json)")
     )
   config_lib.validate(c)
-  _cache_compiles(c.get("compile_cache", ""))
+  _cache_compiles(c.compile_cache)
   return c if training else init_from.resolve(c)
 
 
