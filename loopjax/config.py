@@ -124,6 +124,7 @@ def base() -> ml_collections.ConfigDict:
     lr=2e-3,
     warmup_steps=100,
     schedule="constant",
+    decay_steps=0,  # cosine: optimizer steps from warmup's end to 0; 0: to num_steps
     weight_decay=0.3,
     b1=0.9,
     b2=0.98,
@@ -219,7 +220,11 @@ def base() -> ml_collections.ConfigDict:
       start="readout",  # what iteration 1 is compared with (HALTING_START)
     ),
   )
-  c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True)
+  # fork_from "DIR:STEP" (or "DIR": its newest): a new workdir starts from that
+  # run's checkpoint (weights, optimizer, curriculum stage, data position) and
+  # trains on under this config, which may differ from DIR's in train.* only;
+  # DIR is only read (workdir.Fork).
+  c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True, fork_from="")
   c.eval_every = 250  # 0: no in-loop evaluation (an evaluation job follows the run)
   c.log_every = 50
   # XLA's compiled programs, kept across restarts and shared by a run's

@@ -87,6 +87,7 @@ BOUNDS = {
       "model.num_kv_heads",
       "model.mlp_hidden",
       "train.warmup_steps",
+      "train.decay_steps",
       "checkpoint.keep_every",
       "analyze.halting.seq_len",
     ),

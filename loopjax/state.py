@@ -23,7 +23,7 @@ def make_optimizer(tc) -> optax.GradientTransformation:
   grokking accelerators `tc` asks for (`grad_filters`) and clipping; with a
   hop curriculum, its updates times a scale each stage sets
   (`curriculum.enter`, which reads it as the chain's last state)."""
-  decay_steps = max(tc.num_steps - tc.warmup_steps, 1)
+  decay_steps = tc.decay_steps or max(tc.num_steps - tc.warmup_steps, 1)
   after = (
     optax.constant_schedule(tc.lr)
     if tc.schedule == "constant"

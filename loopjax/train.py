@@ -21,7 +21,7 @@ from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
 from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state
-from loopjax.workdir import Workdir
+from loopjax.workdir import Fork, Workdir
 
 
 def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
@@ -125,12 +125,19 @@ def train_and_evaluate(config, workdir) -> dict:
   )
   footprint.check(config, family, task, mesh, abstract["params"])  # in seconds
   wd.check_data(dataset)
+  fork = None if wd.has_checkpoints() else Fork.of(config, dataset)
   wd.check_writable()
   with wd.exclusive("train"):
     wd.record(config, task, family.phase_names(config), dataset)
     mngr = wd.checkpoints(config.checkpoint)
     train_iter = family.train_iterator(config, task, rows)
     state, start = checkpoint.restore(mngr, abstract, train_iter)
+    resumed = f"resumed from {wd.checkpoint_dir}"
+    if state is None and fork is not None:
+      state, start = fork.restore(config.checkpoint, abstract, train_iter)
+      for name, step in fork.phases().items():
+        wd.reach([name], step)
+      resumed = f"forked from {fork.source.path}"
     if state is None:  # fresh, or every checkpoint set aside: model.init_from's
       m = config.model  # params if given (a resumed run never reads them)
       params = init_from.params(config, mesh) if m.init_from else None
@@ -143,7 +150,7 @@ def train_and_evaluate(config, workdir) -> dict:
         f"but {train_iter.stage} in the data iterator"
       )
     else:
-      print(f"resumed from {wd.checkpoint_dir} at step {start}")
+      print(f"{resumed} at step {start}")
     start = start or 0
     if start >= config.train.num_steps:
       print(f"already trained to step {start}; nothing to do")

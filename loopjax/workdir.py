@@ -8,6 +8,7 @@ does a second trainer. Only this module writes these records.
 """
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
+from loopjax import checkpoint
 from loopjax import config as config_lib
 from loopjax.errors import ConfigError, first_line
 
@@ -38,8 +40,10 @@ RESUMABLE = (
 )
 
 
-def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str]:
-  """Fields whose values differ between two config dicts, except RESUMABLE ones.
+def conflicts(
+  old: dict, new: dict, prefix: str = "", defaults=None, free=RESUMABLE
+) -> list[str]:
+  """Fields whose values differ between two config dicts, except `free` ones.
 
   A field the old run did not have (added to loopjax since) is no conflict when
   the new config leaves it at its default: old runs keep resuming.
@@ -48,12 +52,12 @@ def conflicts(old: dict, new: dict, prefix: str = "", defaults=None) -> list[str
   out = []
   for k in sorted(set(old) | set(new)):
     path = f"{prefix}{k}"
-    if any(path == r or path.startswith(r + ".") for r in RESUMABLE):
+    if any(path == r or path.startswith(r + ".") for r in free):
       continue
     a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
     d = defaults.get(k, "<missing>") if isinstance(defaults, dict) else "<missing>"
     if isinstance(a, dict) and isinstance(b, dict):
-      out += conflicts(a, b, path + ".", d)
+      out += conflicts(a, b, path + ".", d, free)
     elif a != b and not (k not in old and b == d):
       out.append(f"{path}={_short(a)} (workdir) vs {_short(b)} (new)")
   return out
@@ -141,11 +145,14 @@ class Workdir:
           f"--workdir={self.path} holds a run with another config: "
           f"{'; '.join(diff[:3])}{more}. Use a new --workdir."
         )
-    elif self.checkpoint_dir.exists() and any(self.checkpoint_dir.iterdir()):
+    elif self.has_checkpoints():
       raise ConfigError(
         f"--workdir={self.path} has checkpoints but no config.json; "
         "refusing to touch it. Use a new --workdir."
       )
+
+  def has_checkpoints(self) -> bool:
+    return self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir())
 
   def check_writable(self) -> None:
     """Fails now, not at the first checkpoint, if the workdir cannot be written."""
@@ -282,3 +289,69 @@ class _Kept:
     del context
     steps = self.wd.kept_steps()
     return [c.step in steps for c in checkpoints]
+
+
+@dataclasses.dataclass(frozen=True)
+class Fork:
+  """`checkpoint.fork_from`: another run's checkpoint a new workdir starts
+  from, to train on with other train.* settings (a decaying lr, an
+  accelerator) from a point of that run; the other run is only read."""
+
+  source: Workdir
+  step: int
+
+  FREE = (*RESUMABLE, "train")  # how it trains on; the model and data stay
+
+  @classmethod
+  def of(cls, config, dataset: dict) -> "Fork | None":
+    """The fork `config` asks for, checked before anything compiles: a run
+    on the same data whose config differs in FREE fields only, with the step."""
+    spec = config.checkpoint.fork_from
+    if not spec:
+      return None
+    head, _, tail = spec.rpartition(":")
+    path, step = (
+      (Path(head), int(tail)) if head and tail.isdigit() else (Path(spec), None)
+    )
+    source, field = Workdir(path.expanduser()), "checkpoint.fork_from"
+    if not (source.path / "config.json").is_file():
+      raise ConfigError(f"{field}: {source.path} holds no run (no config.json)")
+    old = read_json(source.path / "config.json", config_lib.base().to_dict())
+    diff = conflicts(old, json.loads(config_lib.to_json(config)), free=cls.FREE)
+    if diff:
+      raise ConfigError(
+        f"{field}: a fork may change train.* only; {source.path} differs in "
+        f"{'; '.join(diff[:3])}"
+      )
+    got = read_json(source.path / "dataset.json", {}).get("fingerprint")
+    if got != dataset["fingerprint"]:
+      raise ConfigError(f"{field}: {source.path} was trained on other data")
+    have = sorted(
+      int(p.name) for p in source.checkpoint_dir.glob("*") if p.name.isdigit()
+    )
+    if not have or (step is not None and step not in have):
+      raise ConfigError(
+        f"{field}: {source.checkpoint_dir} has no checkpoint "
+        f"{step if step is not None else ''}; it has: {have or 'none'}"
+      )
+    return cls(source, have[-1] if step is None else step)
+
+  def restore(self, cfg, abstract_state, data_iter):
+    """(state, step) of the source's checkpoint, the data iterator moved to it."""
+    mngr = self.source.checkpoints(cfg, read_only=True)
+    try:
+      return checkpoint.restore(
+        mngr, abstract_state, data_iter, step=self.step, quarantine=False
+      )
+    except Exception as e:  # noqa: BLE001 - shown as the one line it is
+      raise ConfigError(
+        f"checkpoint.fork_from: step {self.step} of {self.source.path} does not "
+        f"restore under this config ({first_line(e, 200)}); a fork may change "
+        "the optimizer's settings, not its parts"
+      ) from None
+    finally:
+      mngr.close()
+
+  def phases(self) -> dict:
+    """{phase: step} the source reached up to the fork's step."""
+    return {p: s for p, s in self.source.reached().items() if s <= self.step}

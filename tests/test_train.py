@@ -61,6 +61,24 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path):
   assert evals[0]["eval/test_inferred_id/acc"] == last["eval/test_inferred_id/acc"]
 
 
+def test_a_fork_trains_on_from_its_sources_checkpoint(tiny_config, tmp_path):
+  tiny_config.train.num_steps = 40
+  train.train_and_evaluate(tiny_config, tmp_path / "source")  # saves 20, 40
+  source = losses(tmp_path / "source")
+  before = {p: p.stat().st_mtime_ns for p in (tmp_path / "source").rglob("*")}
+  tiny_config.checkpoint.fork_from = f"{tmp_path / 'source'}:20"
+  train.train_and_evaluate(tiny_config, tmp_path / "same")
+  assert losses(tmp_path / "same") == {s: v for s, v in source.items() if s > 20}
+  tiny_config.train.update(lr=tiny_config.train.lr / 2, schedule="cosine")
+  train.train_and_evaluate(tiny_config, tmp_path / "slower")
+  slower = losses(tmp_path / "slower")
+  assert min(slower) > 20 and slower[30] != source[30]
+  tiny_config.model.d_model = 64
+  with pytest.raises(ConfigError, match=r"train.\* only; .* model.d_model=32"):
+    train.train_and_evaluate(tiny_config, tmp_path / "other")
+  assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "source").rglob("*")}
+
+
 def test_conflicting_workdir_is_refused_and_untouched(tiny_config, tmp_path):
   train.train_and_evaluate(tiny_config, tmp_path)
   before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
