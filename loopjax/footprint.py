@@ -31,13 +31,13 @@ def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
   """{term: bytes per device} of a step's memory that no schedule avoids;
   `params`: the model's (abstract) params."""
   m = config.model
-  rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
   _, T = task.model_dims()
-  size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  out = {STATE: 16 * size / mesh.devices.size}
   platform = mesh.devices.flat[0].platform
   packed = family.packs_documents and m.document_mask
   kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
+  rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
+  size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+  out = {STATE: 16 * size / mesh.devices.size}
   if packed and kernel in ("xla", "blocked"):
     out["document mask (B, T, T)"] = rows * T * T
   if kernel == "xla" and platform != "cpu":

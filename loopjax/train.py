@@ -128,30 +128,29 @@ def train_and_evaluate(config, workdir) -> dict:
   fork = None if wd.has_checkpoints() else Fork.of(config, dataset)
   wd.check_writable()
   with wd.exclusive("train"):
-    wd.record(config, task, family.phase_names(config), dataset)
+    reached = fork.phases() if fork else {}  # a fork's: the source's, up to it
+    wd.record(config, task, family.phase_names(config), dataset, reached)
     mngr = wd.checkpoints(config.checkpoint)
     train_iter = family.train_iterator(config, task, rows)
-    state, start = checkpoint.restore(mngr, abstract, train_iter)
-    resumed = f"resumed from {wd.checkpoint_dir}"
-    if state is None and fork is not None:
-      state, start = fork.restore(config.checkpoint, abstract, train_iter)
-      for name, step in fork.phases().items():
-        wd.reach([name], step)
-      resumed = f"forked from {fork.source.path}"
-    if state is None:  # fresh, or every checkpoint set aside: model.init_from's
-      m = config.model  # params if given (a resumed run never reads them)
+    if fork is None and not mngr.all_steps():  # fresh: model.init_from's params
+      m = config.model  # if given (a resumed run never reads them)
       params = init_from.params(config, mesh) if m.init_from else None
-      state = sharded_train_state(config, task, mesh, params=params)[1]
+      state, start = sharded_train_state(config, task, mesh, params=params)[1], 0
       if m.init_from:
         print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
-    elif "stage" in state and int(state["stage"]) != train_iter.stage:
-      raise ConfigError(  # saved together: only a hand-edited checkpoint differs
-        f"checkpoint {start}: curriculum stage {int(state['stage'])} in the state "
-        f"but {train_iter.stage} in the data iterator"
+    else:  # its own newest good checkpoint, or the one it forks
+      state, start = (
+        fork.restore(config.checkpoint, abstract, train_iter)
+        if fork
+        else checkpoint.restore(mngr, abstract, train_iter)
       )
-    else:
-      print(f"{resumed} at step {start}")
-    start = start or 0
+      if "stage" in state and int(state["stage"]) != train_iter.stage:
+        raise ConfigError(  # saved together: only a hand-edited checkpoint differs
+          f"checkpoint {start}: curriculum stage {int(state['stage'])} in the "
+          f"state but {train_iter.stage} in the data iterator"
+        )
+      came = fork.source.path if fork else wd.checkpoint_dir
+      print(f"{'forked' if fork else 'resumed'} from {came} at step {start}")
     if start >= config.train.num_steps:
       print(f"already trained to step {start}; nothing to do")
       mngr.close()

@@ -199,16 +199,17 @@ class Workdir:
         f"in {saved} differs); use a new --workdir"
       )
 
-  def record(self, config, task, phases, dataset: dict) -> None:
+  def record(self, config, task, phases, dataset: dict, reached=None) -> None:
     """Writes config.json, dataset.json (`dataset`: `task.summary()`) and
-    phases.json (each of `phases` null until reached), after `check_data`."""
+    phases.json (each of `phases` null until reached; `reached`: {phase: step}
+    already), after `check_data`."""
     self.check_data(dataset)
     sizes, saved = dataset["sizes"], self.path / "dataset.json"
     print(
       f"data: fingerprint {dataset['fingerprint'][:16]}, "
       + ", ".join(f"{k}={n}" for k, n in sizes.items())
     )
-    self._phases = dict.fromkeys(phases) | self._phases
+    self._phases = dict.fromkeys(phases) | (reached or {}) | self._phases
     if jax.process_index() == 0:
       self.path.mkdir(parents=True, exist_ok=True)
       write_atomic(self.path / "config.json", config_lib.to_json(config))
