@@ -9,7 +9,7 @@ from loopjax.errors import ConfigError
 from loopjax.names import ATTENTION_KERNELS, HALTING_CRITERIA, HALTING_START
 
 ENUMS = {
-  "data.task": tuple(task.FAMILIES),
+  "data.task": task.FAMILIES.keys(),  # a view: a family registered later is in it
   "model.pos_encoding": ("learned", "sinusoidal", "rope", "none"),
   "model.injection": ("none", "add", "concat"),
   "model.norm_position": ("pre", "sandwich", "residual", "post", "res_post"),

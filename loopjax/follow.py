@@ -21,7 +21,7 @@ import json
 import time
 
 from loopjax import config as config_lib
-from loopjax import data, evaluate, metrics, restore
+from loopjax import evaluate, metrics, restore
 from loopjax import task as task_lib
 from loopjax.errors import first_line
 from loopjax.workdir import Workdir, write_atomic
@@ -45,7 +45,7 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   config = _wait_for_config(wd, config, poll_s)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
   with wd.exclusive("follow"):
-    task = data.load(config.data)
+    task = task_lib.for_config(config).load(config)
     reader = restore.Reader(config, wd.path, task)
     job = _Job(wd, config, task, reader, analyses)
     if job.done:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import jax
 
-from loopjax import checkpoint, data, sharding
+from loopjax import checkpoint, sharding
 from loopjax import config as config_lib
+from loopjax import task as task_lib
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.pretrained import load
@@ -88,7 +89,7 @@ class Reader:
 def from_checkpoint(config, workdir, step: int | None = None, task=None):
   """(task data, model, step) of a run's checkpoint (default: the newest good
   one); `task`: the run's data if already loaded (else read from the config)."""
-  task = data.load(config.data) if task is None else task
+  task = task_lib.for_config(config).load(config) if task is None else task
   reader = Reader(config, workdir, task)
   try:
     model, step = reader.model(step)

@@ -9,9 +9,10 @@ and never ask which family they serve.
 
 `FAMILIES` is strings, as big_vision names its evaluators: config
 validation reads a family's rules (a JAX-free module) and analyses in a
-fraction of a second, `data.load` its reader, and `for_config` imports the
-family's class only when a run needs it. A new family is a package beside
-`kg/` and `lm/` (its `Family` subclass, its reader) and one line here.
+fraction of a second, and `for_config` imports the family's class only when
+a run needs it; its `load` reads the data with the family's own reader. A new
+family is a package beside `kg/` and `lm/` (its `Family` subclass, its reader,
+its checks) and one line here.
 """
 
 import abc
@@ -27,7 +28,6 @@ class Record(NamedTuple):
   """A family by its `data.task` name: what validation and loading read."""
 
   family: str  # "module:Class" of its Family subclass
-  read: str  # "module:function": its data (`data.load`) from the config's `data`
   check: str  # "module:function": its config rules (JAX-free: task_checks.py)
   analyses: dict[str, registry.Entry]  # its table in analysis/registry.py
   default_analyses: tuple[str, ...]  # those `--mode=analyze` runs by default
@@ -36,21 +36,18 @@ class Record(NamedTuple):
 FAMILIES = {
   "composition": Record(
     "loopjax.kg.task:Composition",
-    "loopjax.data:knowledge_graph",
     "loopjax.task_checks:composition",
     registry.KG,
     tuple(registry.KG),
   ),
   "chains": Record(
     "loopjax.kg.task:Chains",
-    "loopjax.data:knowledge_graph",
     "loopjax.task_checks:chains",
     registry.KG,
     tuple(registry.KG),
   ),
   "lm": Record(
     "loopjax.lm.task:LanguageModel",
-    "loopjax.data:text",
     "loopjax.task_checks:lm",
     registry.LM,
     registry.shared(registry.LM),
@@ -81,8 +78,8 @@ class Family(abc.ABC):
 
   @abc.abstractmethod
   def load(self, config):
-    """The task's data (`data.load`), checked for what validation cannot see
-    before they are loaded (ConfigError)."""
+    """The task's data, read by the family's reader and checked for what
+    validation cannot see before they are loaded (ConfigError)."""
 
   def phase_names(self, config) -> tuple[str, ...]:
     """What a run records in phases.json (null until reached)."""

@@ -353,7 +353,7 @@ def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, c
   c.data.data_dir = str(tmp_path / "data")
   c.analyze.update(names=("toy",), max_depth=2)
   config_lib.validate(c)  # the registry line is all validation reads
-  task = data.load(c.data)
+  task = data.knowledge_graph(c.data)
   graphdef, params = nnx.split(
     build_model(
       c.model, task.vocab.vocab_size, task.splits["train"]["inputs"].shape[1], 0

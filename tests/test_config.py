@@ -225,14 +225,13 @@ def test_a_dataset_json_without_a_fingerprint_is_one_line(tmp_path):
 
 
 def test_every_family_in_the_registry_resolves():
-  """Each `task.FAMILIES` line names a Family of that name, a reader and a
-  checker; the defaults fill what a family does not write."""
+  """Each `task.FAMILIES` line names a Family of that name and a checker;
+  the defaults fill what a family does not write."""
   from loopjax import task
 
   for name, record in task.FAMILIES.items():
     family = task.family(name)
     assert isinstance(family, task.Family) and family.name == name
-    assert callable(task.imported(record.read))
     assert callable(task.imported(record.check))
   assert task.family("chains").sampling_programs(None, None, None) == {}
   assert not task.family("composition").streams_analyses

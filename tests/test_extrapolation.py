@@ -224,7 +224,7 @@ def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
   from loopjax import data
   from loopjax.data import grokked_json
 
-  grokked_json.export(data.load(config.data), tmp_path / "ltg")
+  grokked_json.export(data.knowledge_graph(config.data), tmp_path / "ltg")
   as_ltg_writes_it(tmp_path / "ltg")
   config.data.source = f"grokked_json:{tmp_path / 'ltg'}"
   config.train.num_steps = 20

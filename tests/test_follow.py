@@ -108,7 +108,7 @@ def finished(tiny_config, tmp_path):
 
 def test_a_checkpoint_deleted_before_its_turn_is_skipped(finished, capsys):
   config, workdir = finished
-  task = data.load(config.data)
+  task = data.knowledge_graph(config.data)
   job = follow._Job(
     Workdir(workdir), config, task, restore.Reader(config, workdir, task), False
   )

@@ -154,7 +154,7 @@ def test_the_filters_state_is_sharded_like_the_params(tiny_config, kind):
   c.train.grokfast.update(kind=kind, window=2)
   c.mesh.update(data=2, fsdp=2, tensor=2, devices=0)
   mesh = sharding.make_mesh(c.mesh)
-  task = data.load(c.data)
+  task = data.knowledge_graph(c.data)
   _, _, _, shardings = sharded_train_state(c, task, mesh, abstract=True)
   filt = shardings["opt_state"][1]  # chain: perp-Grad, the filter, clip, adamw
   trees = [filt.mu] if kind == "ema" else list(filt.window)

@@ -101,7 +101,7 @@ def test_a_run_trains_from_the_pretrained_params_and_records_their_shapes(tmp_pa
   last = train.train_and_evaluate(c, tmp_path / "run")
   loss = losses(tmp_path / "run")
   assert all(np.isfinite(v) for v in loss.values()) and loss[8] < loss[1]
-  task = data.load(init_from.resolve(c).data)
+  task = data.text(init_from.resolve(c).data)
   batch = next(lm_data.train_iterator(task, c.train.batch_size, c.seed))
   _, feedforward = load(FIXTURES / "llama_gqa", config_lib.base().model)
   first, _ = lm_loss_fn(feedforward.module(), batch, c.train, key=None, num_loops=1)

@@ -95,7 +95,7 @@ def test_dynamic_depth_training_step(tiny_config):
   tiny_config.train.depth.update(dist="poisson", mean=3.0, min=1, max=6)
   tiny_config.train.backprop_depth = 2
   tiny_config.model.injection = "add"
-  task = data.load(tiny_config.data)
+  task = data.knowledge_graph(tiny_config.data)
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)
   graphdef, state = init_state(model, tx, 0)

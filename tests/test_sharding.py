@@ -29,7 +29,7 @@ def setup(tmp_path_factory):
 
   c = sysgen.get_config("tiny")
   c.data.data_dir = str(tmp_path_factory.mktemp("data"))
-  return c, data.load(c.data)
+  return c, data.knowledge_graph(c.data)
 
 
 def _mesh(config, shape, devices=None):

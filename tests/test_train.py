@@ -10,9 +10,11 @@ import time
 import pytest
 from conftest import CPU_ENV, cli, losses, run, start, steps_on_disk
 
-from loopjax import evaluate, loss, metrics, train
+from loopjax import config as config_lib
+from loopjax import data, evaluate, loss, metrics, task, train
 from loopjax.errors import ConfigError
 from loopjax.kg.evaluate import Evaluator
+from loopjax.kg.task import Composition
 
 SPLITS = (
   "id_atomic",
@@ -77,6 +79,30 @@ def test_a_fork_trains_on_from_its_sources_checkpoint(tiny_config, tmp_path):
   with pytest.raises(ConfigError, match=r"train.\* only; .* model.d_model=32"):
     train.train_and_evaluate(tiny_config, tmp_path / "other")
   assert before == {p: p.stat().st_mtime_ns for p in (tmp_path / "source").rglob("*")}
+
+
+class Toy(Composition):
+  """A family written outside loopjax: composition's data under another name."""
+
+  name = "toy"
+
+  def load(self, config):
+    d = config.data.copy_and_resolve_references()
+    d.task = "composition"
+    return data.knowledge_graph(d)
+
+
+def test_a_new_family_is_its_class_and_one_registry_line(
+  tiny_config, tmp_path, monkeypatch
+):
+  line = task.FAMILIES["composition"]._replace(family="test_train:Toy")
+  monkeypatch.setitem(task.FAMILIES, "toy", line)
+  tiny_config.data.task = "toy"
+  tiny_config.train.num_steps = tiny_config.eval_every = 20
+  config_lib.validate(tiny_config)
+  last = train.train_and_evaluate(tiny_config, tmp_path)
+  assert json.loads((tmp_path / "config.json").read_text())["data"]["task"] == "toy"
+  assert 0 <= last["eval/test_inferred_ood/acc"] <= 1
 
 
 def test_conflicting_workdir_is_refused_and_untouched(tiny_config, tmp_path):
@@ -194,7 +220,7 @@ def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_confi
 
   from loopjax import data
 
-  task = data.load(tiny_config.data)
+  task = data.knowledge_graph(tiny_config.data)
   ev = Evaluator.__new__(Evaluator)
   ev.R, ev.pad = 1, task.vocab.pad_id
   ev.probes = {
@@ -265,7 +291,7 @@ def test_train_step_loss_is_mean_over_supervised_iterations(tiny_config, mode):
   from loopjax.state import build_model, init_state, make_optimizer
 
   tiny_config.train.supervise = mode
-  task = data.load(tiny_config.data)
+  task = data.knowledge_graph(tiny_config.data)
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)
   graphdef, state = init_state(model, tx, 0)

@@ -3,7 +3,6 @@ the papers' JSON; text corpora tokenized for the language-model task (lm.py)."""
 
 import dataclasses
 
-from loopjax import task as task_lib
 from loopjax.data import grokked_json, lm, tfds_kg
 from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
 from loopjax.errors import ConfigError
@@ -13,19 +12,12 @@ __all__ = [
   "Vocab",
   "fingerprint",
   "knowledge_graph",
-  "load",
   "probes",
   "text",
   "train_split",
 ]
 
 _JSON = "grokked_json:"
-
-
-def load(data_cfg) -> TaskData | lm.LmData:
-  """The splits that `data_cfg.source` names, read by its task family's
-  reader (task.FAMILIES)."""
-  return task_lib.imported(task_lib.FAMILIES[data_cfg.task].read)(data_cfg)
 
 
 def text(data_cfg) -> lm.LmData:

@@ -22,7 +22,7 @@ def main(argv):
     raise app.UsageError(f"expected the command 'export'; got {argv[1:]}")
   try:
     config_lib.validate(_CONFIG.value)
-    grokked_json.export(data.load(_CONFIG.value.data), _OUT.value)
+    grokked_json.export(data.knowledge_graph(_CONFIG.value.data), _OUT.value)
   except ConfigError as e:
     exit_with(str(e))
   print(f"wrote the papers' JSON files (train, valid, test, vocab) to {_OUT.value}")

@@ -14,11 +14,11 @@ from loopjax.errors import ConfigError
 
 
 def load(config):
-  """The chains' data (`data.load`), checked for what validation cannot see
+  """The chains' data (`data.knowledge_graph`), checked for what validation cannot see
   before they are loaded (the papers' files fix their own hop counts): the
   hops to train on and the held-out chains each curriculum stage advances on
   must exist."""
-  task = data.load(config.data)
+  task = data.knowledge_graph(config.data)
   if config.data.train_hops > task.max_hops:
     raise ConfigError(
       f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "

@@ -15,7 +15,7 @@ class _KnowledgeGraph(Family):
   loss_fn = staticmethod(loss.loss_fn)
 
   def load(self, config):
-    return data.load(config.data)
+    return data.knowledge_graph(config.data)
 
   def train_iterator(self, config, task, rows):
     return curriculum.train_iterator(config, task, rows)

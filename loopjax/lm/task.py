@@ -19,7 +19,7 @@ class LanguageModel(Family):
   streams_analyses = True
 
   def load(self, config):
-    return data.load(config.data)
+    return data.text(config.data)
 
   def train_iterator(self, config, task, rows):
     return lm.train_iterator(task, config.train.batch_size, config.seed, rows)
