@@ -10,8 +10,10 @@ builds for one layer (model/attention_kernels.py): for packed text under the
 CPU's blocked or XLA's attention, the (B, T, T) document mask, and under
 XLA's on an accelerator the attention logits (B, N, T, T) in float32 (the
 fused kernels hold neither). Choosing the kernel here also refuses one the
-target cannot run, before anything compiles. What `python -m loopjax.aot`
-compiles is the full account.
+target cannot run, before anything compiles. The compiled step's own memory
+analysis is the full account: `check_compiled` holds it against the same
+capacity before the first step runs (and `python -m loopjax.aot` reports it
+for a target).
 """
 
 import math
@@ -75,3 +77,25 @@ def check(config, family, task, mesh, params) -> None:
       f"{config.train.batch_size}, {task.model_dims()[1]} tokens) and "
       f"{what} is {have / GIB:.1f} GiB"
     )
+
+
+def check_compiled(config, memory: dict, mesh) -> None:
+  """Raises ConfigError when the compiled step's peak (`compiled.memory`)
+  exceeds the devices' memory, naming the fields that drive its biggest part:
+  the state's shard (arguments, outputs) grows with the model, temporaries
+  with the batch."""
+  have, what = capacity(mesh)
+  if memory["peak"] <= have:
+    return
+  parts = {k: memory[k] for k in ("arguments", "temporaries", "outputs")}
+  big = max(parts, key=parts.get)
+  fields = (
+    "train.batch_size, data.seq_len, model.remat"
+    if big == "temporaries"
+    else "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
+  )
+  raise ConfigError(
+    f"{fields}: the compiled train step needs {memory['peak'] / GIB:.2f} GiB "
+    f"per device ({', '.join(f'{k} {v / GIB:.2f}' for k, v in parts.items())}) "
+    f"and {what} is {have / GIB:.2f} GiB"
+  )

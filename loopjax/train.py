@@ -2,7 +2,9 @@
 
 The state is a plain pytree `{"params", "opt_state", "step", "rng"}` (plus
 `"stage"` for a curriculum); the model's graph definition is static.
-`train_step` is compiled once and donates its input state; the loop dispatches
+`train_step` is compiled ahead of time, once per batch shape, and its compiled
+memory held against the devices' before it runs (`_Compiled`); it donates its
+input state, and the loop dispatches
 step N before it reads step N-1's metrics, so the host never waits on the
 device just to log. The run directory's records and rules are workdir.py's;
 the loop applies what phase detection and the curriculum decide.
@@ -11,12 +13,13 @@ the loop applies what phase detection and the curriculum decide.
 import dataclasses
 import math
 import signal
+import time
 
 import jax
 import optax
 from jax.experimental import multihost_utils
 
-from loopjax import checkpoint, footprint, metrics, recurrence, sharding
+from loopjax import checkpoint, compiled, footprint, metrics, recurrence, sharding
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
 from loopjax.pretrained import init_from
@@ -70,6 +73,37 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
       out_shardings=(shardings, sharding.replicated(mesh)),
     )
   return jax.jit(train_step, donate_argnums=0, **placed)
+
+
+class _Compiled:
+  """The train step as the executables it compiles ahead of time, one per
+  batch shape (a curriculum stage may change it), each checked before it first
+  runs: its compiled peak against the devices' memory (`footprint`), its
+  compile time and peak logged. Running the executable itself, not the jitted
+  function, is what keeps the check from costing a second compile."""
+
+  def __init__(self, jitted, config, mesh, writer):
+    self.jitted, self.config, self.mesh, self.writer = jitted, config, mesh, writer
+    self._by_shape = {}
+
+  def __call__(self, state, batch):
+    key = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
+    if (run := self._by_shape.get(key)) is None:
+      run = self._by_shape[key] = self._compile(state, batch)
+    return run(state, batch)
+
+  def _compile(self, state, batch):
+    start = time.perf_counter()
+    executable = self.jitted.lower(state, batch).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory(executable)
+    footprint.check_compiled(self.config, memory, self.mesh)
+    self.writer.write(
+      int(state["step"]),
+      {"compile/train_step_s": seconds}
+      | {f"compile/train_step_{k}_gib": v / footprint.GIB for k, v in memory.items()},
+    )
+    return executable
 
 
 class RunStopped(RuntimeError):
@@ -251,8 +285,11 @@ class _Loop:
     num_steps, eval_every = config.train.num_steps, config.eval_every
     progress = metrics.Progress(num_steps, self.step)
     last, pending, step, saved = {}, None, self.step, self.step
-    train_step = make_train_step(
-      config, self.graphdef, self.tx, self.mesh, self.shardings
+    train_step = _Compiled(
+      make_train_step(config, self.graphdef, self.tx, self.mesh, self.shardings),
+      config,
+      self.mesh,
+      self.writer,
     )
     batches = sharding.batch_sharding(self.mesh, config.sharding.rules)
     try:

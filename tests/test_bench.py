@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from experiments import bench
-from loopjax.bench import steps
+from experiments import bench, sysgen
+from loopjax.bench import first_step, steps
 
 
 def small(num_loops: int, d_model: int = 16):
@@ -127,3 +127,16 @@ def test_torch_reference_computes_the_same_language_model():
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
   step = torch_ref.make_train_step(c, V, T)
   assert float(step(torch_ref.to_torch(batch))) > 0
+
+
+@pytest.mark.slow  # three runs as processes, ~40 s
+def test_first_step_times_a_fresh_start_and_two_restarts(tmp_path):
+  data_dir = tmp_path / "data"
+  args = ["--config=experiments/sysgen.py:tiny", f"--config.data.data_dir={data_dir}"]
+  config = sysgen.get_config("tiny")
+  config.data.data_dir = str(data_dir)
+  rows = first_step.bench(config, args)["rows"]
+  assert [r["start"] for r in rows] == ["fresh", "restart", "restart, no cache"]
+  assert all(r["to_first_step_s"] > r["compile_s"] > 0 for r in rows)
+  fresh, restart, no_cache = (r["compile_s"] for r in rows)
+  assert restart < fresh and restart < no_cache  # loaded, not compiled

@@ -102,7 +102,7 @@ def test_stage_decays_the_lr(config, floor):
 def test_data_must_hold_the_hops_the_config_trains_on(config, monkeypatch):
   """The papers' files fix their own hop counts; checked once loaded."""
   task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=4)
-  monkeypatch.setattr(curriculum.data, "load", lambda data_cfg: task)
+  monkeypatch.setattr(curriculum.data, "knowledge_graph", lambda data_cfg: task)
   with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
     curriculum.load(config)  # train_hops 4
   config.data.train_hops = 3

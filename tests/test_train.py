@@ -1,17 +1,19 @@
 """Training end to end on the tiny config: learning, resume, preemption, workdirs."""
 
 import json
+import logging
 import random
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import pytest
 from conftest import CPU_ENV, cli, losses, run, start, steps_on_disk
 
 from loopjax import config as config_lib
-from loopjax import data, evaluate, loss, metrics, task, train
+from loopjax import data, evaluate, footprint, loss, metrics, task, train
 from loopjax.errors import ConfigError
 from loopjax.kg.evaluate import Evaluator
 from loopjax.kg.task import Composition
@@ -103,6 +105,25 @@ def test_a_new_family_is_its_class_and_one_registry_line(
   last = train.train_and_evaluate(tiny_config, tmp_path)
   assert json.loads((tmp_path / "config.json").read_text())["data"]["task"] == "toy"
   assert 0 <= last["eval/test_inferred_ood/acc"] <= 1
+
+
+def test_the_step_compiles_once_and_its_memory_is_checked_before_it_runs(
+  tiny_config, tmp_path, monkeypatch, caplog
+):
+  tiny_config.train.num_steps = 20
+  with jax.log_compiles(True), caplog.at_level(logging.WARNING, logger="jax"):
+    train.train_and_evaluate(tiny_config, tmp_path / "fits")
+  compiles = [r for r in caplog.messages if r.startswith("Compiling jit(train_step)")]
+  assert len(compiles) == 1, compiles  # the checked executable is the one run
+  start = metrics.read_jsonl(tmp_path / "fits/metrics.jsonl")[1]
+  assert start["step"] == 0 and 0 < start["compile/train_step_peak_gib"] < 1
+  monkeypatch.setattr(footprint, "lower_bound", lambda *a: {})  # passes pre-flight
+  monkeypatch.setattr(footprint, "capacity", lambda mesh: (2**20, "a 1 MiB device"))
+  says = r"^train.batch_size, data.seq_len, model.remat: the compiled train step "
+  with pytest.raises(ConfigError, match=says + r"needs .* and a 1 MiB device is"):
+    train.train_and_evaluate(tiny_config, tmp_path / "big")
+  assert "train/loss" not in (tmp_path / "big/metrics.jsonl").read_text()
+  assert steps_on_disk(tmp_path / "big") == []
 
 
 def test_conflicting_workdir_is_refused_and_untouched(tiny_config, tmp_path):

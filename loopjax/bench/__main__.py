@@ -4,6 +4,7 @@
   python -m loopjax.bench scaling --config=experiments/bench.py --depths=4,16,64
   taskset -c 0 python -m loopjax.bench data --config=experiments/sysgen.py:paper
   python -m loopjax.bench generation --config=experiments/lm.py:cpu
+  python -m loopjax.bench first_step --config=experiments/sysgen.py:paper
   python -m loopjax.bench accelerator --out=DIR [--smoke]
 
 `step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
@@ -21,6 +22,8 @@ family at full size with random weights, its forward and analysis pass
 and backward by each kernel the backend runs, against XLA's
 (loopjax/bench/attention.py). `generation`: batched decoding of prompts of
 different lengths against one at a time (loopjax/bench/generation.py).
+`first_step`: time to the first step of a fresh start against restarts with
+and without the compilation cache (loopjax/bench/first_step.py).
 `accelerator`: the parts of
 the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 --out a directory.
@@ -28,6 +31,7 @@ the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 
 import copy
 import json
+import sys
 import time
 
 import jax
@@ -36,7 +40,15 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from loopjax import recurrence
-from loopjax.bench import accelerator, attention, generation, measure, pretrained, steps
+from loopjax.bench import (
+  accelerator,
+  attention,
+  first_step,
+  generation,
+  measure,
+  pretrained,
+  steps,
+)
 from loopjax.data import kg, tfds_kg
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
@@ -201,6 +213,9 @@ BENCHMARKS = {
   "pretrained": pretrained.bench,
   "attention": attention.bench,
   "generation": lambda c: generation.bench(c, _PROMPTS.value, _NEW.value),
+  "first_step": lambda c: first_step.bench(
+    c, [a for a in sys.argv[1:] if a.startswith("--config")]
+  ),
 }
 
 
