@@ -50,7 +50,7 @@ def _compile(lowered, what: str, target: str, fields: str):
     ) from None
 
 
-def _compiled(fn, args, what: str, target: str, fields: str) -> tuple:
+def _lower_and_compile(fn, args, what: str, target: str, fields: str) -> tuple:
   """`fn` lowered for `args` and compiled: (the executable, its memory and
   compile time, XLA's rematerialization warnings)."""
   t = time.perf_counter()
@@ -66,7 +66,7 @@ def _compile_all(programs: dict, target: str, fields: str, on_pass) -> tuple:
   and compile time}, XLA's rematerialization warnings)."""
   out, remat = {}, []
   for name, (fn, args) in (x for p in programs.values() for x in p.items()):
-    _, out[name], log = _compiled(fn, args, f"the {name} pass", target, fields)
+    _, out[name], log = _lower_and_compile(fn, args, f"the {name} pass", target, fields)
     on_pass(name, out[name])
     remat += log
   return out, remat
@@ -221,7 +221,7 @@ def check(
   report = {"target": target.name if target else f"cpu:{len(devices)}"}
   report["mesh"], remat = dict(mesh.shape), []
   if train_step := programs.pop("train", None):
-    executable, mem, remat = _compiled(
+    executable, mem, remat = _lower_and_compile(
       *train_step["train step"],
       "the train step",
       report["target"],
