@@ -14,9 +14,10 @@ evaluation, a language model's analysis pass and sampling) is lowered and
 compiled from abstract shapes (nothing is initialized, no data are
 generated: the vocabulary and sequence length come from the config;
 `model.init_from`'s from its config.json). Mesh, rule and shape errors show
-here instead of on pod time. The report, per device: memory (arguments =
-its shard of the state and batch, temporaries, outputs, peak) against the
-chip's, compile time, the
+here instead of on pod time. Each pass's line (memory per device, compile
+time) prints as its compile ends, then the report, per device: memory
+(arguments = its shard of the state and batch, temporaries, outputs, peak)
+against the chip's, compile time, the
 collectives in the compiled HLO, XLA's warnings (on a target an involuntary
 rematerialization fails the check unless --allow_remat), and on a target the
 step time the chips' peak FLOP/s and HBM bandwidth bound it to.
@@ -27,6 +28,10 @@ its analysis pass and forward (`passes.check_pretrained`):
 
   python -m loopjax.aot --config=experiments/pretrained.py:huginn --devices=1 \
       --config.model.hf_dir=experiments/hf_shapes/huginn-0125 --config.mesh.data=1
+
+`--passes=analysis,sampling` compiles only the passes named (train, eval,
+analysis, sampling; a pretrained model's analysis, forward), e.g. to
+recheck one pass of a config whose every pass takes minutes on a target.
 """
 
 import os
@@ -49,6 +54,12 @@ flags.DEFINE_bool(
   "--target: pass a compile in which XLA rematerializes a tensor whole (on "
   "forced CPU devices it is reported only).",
 )
+flags.DEFINE_list(
+  "passes",
+  [],
+  "Compile only these passes (default: all): train, eval, analysis, sampling "
+  "(those of them the run has); a pretrained model's analysis, forward.",
+)
 flags.DEFINE_string("json", "", "Also write the report to this file.")
 FLAGS = flags.FLAGS
 
@@ -57,18 +68,35 @@ def _gib(n: int) -> str:
   return f"{n / 2**30:.3f} GiB"
 
 
+def _fit(peak: int, cap: int) -> str:
+  """Whether a peak fits a target's capacity per device, and by how much."""
+  return f"{'fits' if peak <= cap else 'DOES NOT FIT'}, headroom {_gib(cap - peak)}"
+
+
 def _pass_lines(passes: dict, cap) -> list[str]:
   """Each pass's memory per device (arguments, temporaries, outputs, peak),
   compile time and, on a target, whether it fits."""
-  out = []
-  for name, mem in passes.items():
-    line = f"  {name}: " + ", ".join(_gib(mem[k]) for k in list(mem)[:4])
-    line += f"; {mem['compile_s']:.1f} s"
+  return [
+    f"  {name}: "
+    + ", ".join(_gib(mem[k]) for k in list(mem)[:4])
+    + f"; {mem['compile_s']:.1f} s"
+    + ("" if cap is None else f"; {_fit(mem['peak'], cap)}")
+    for name, mem in passes.items()
+  ]
+
+
+def _printer(cap):
+  """`on_pass` for `passes.check`: a pass's line as soon as it is compiled
+  (flushed: on a TPU target from a small host the passes take minutes)."""
+
+  def on_pass(name: str, mem: dict):
+    sizes = ", ".join(f"{k} {_gib(mem[k])}" for k in list(mem)[:4])
+    line = f"compiled {name} ({mem['compile_s']:.1f} s): {sizes} per device"
     if cap is not None:
-      fits = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
-      line += f"; {fits}, headroom {_gib(cap - mem['peak'])}"
-    out.append(line)
-  return out
+      line += f"; {_fit(mem['peak'], cap)}"
+    print(line, flush=True)
+
+  return on_pass
 
 
 def _overflow(report: dict, devices: int) -> str | None:
@@ -112,11 +140,9 @@ def _pretrained_table(report: dict, name: str, config) -> list[str]:
   return out
 
 
-def _table(report: dict) -> list[str]:
-  """The train step's report as lines."""
-  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+def _train_lines(report: dict, mesh: str, where: str) -> list[str]:
+  """The train step's memory, collectives and, on a target, step time bound."""
   mem, cap = report["memory"], report.get("capacity")
-  where = f"{report['target']} ({'XLA:CPU' if cap is None else 'compiled for it'})"
   out = [
     f"compiled the train step for mesh {mesh} on {where} in "
     f"{report['compile_s']:.1f} s",
@@ -124,10 +150,7 @@ def _table(report: dict) -> list[str]:
   ]
   out += [f"  {k:<12} {_gib(mem[k])}" for k in mem]
   if cap is not None:
-    verdict = "fits" if mem["peak"] <= cap else "DOES NOT FIT"
-    out.append(
-      f"  {'capacity':<12} {_gib(cap)}: {verdict}, headroom {_gib(cap - mem['peak'])}"
-    )
+    out.append(f"  {'capacity':<12} {_gib(cap)}: {_fit(mem['peak'], cap)}")
   coll = report["collectives"]
   out.append(
     "collectives per step: "
@@ -151,7 +174,25 @@ def _table(report: dict) -> list[str]:
         f"counted once): MFU at most {report['mfu_bound']:.0%}"
       )
     out.append(line)
-  out.append("other passes, memory per device (arguments, temporaries, outputs, peak):")
+  return out
+
+
+def _table(report: dict) -> list[str]:
+  """The report as lines: the train step's (if compiled), the other passes',
+  the largest parameters."""
+  mesh = " x ".join(f"{k} {v}" for k, v in report["mesh"].items())
+  cap = report.get("capacity")
+  where = f"{report['target']} ({'XLA:CPU' if cap is None else 'compiled for it'})"
+  if "memory" in report:
+    out = _train_lines(report, mesh, where)
+    out.append(
+      "other passes, memory per device (arguments, temporaries, outputs, peak):"
+    )
+  else:  # --passes without the train step
+    out = [
+      f"compiled for mesh {mesh} on {where}, memory per device (arguments, "
+      "temporaries, outputs, peak):"
+    ]
   out += _pass_lines(report["passes"], cap)
   if n := len(report["rematerialized"]):
     out.append(f"XLA rematerialized {n} tensor(s) whole to reshard them (stderr)")
@@ -181,10 +222,9 @@ def main(argv):
     config_lib.validate(config)
     target = targets.make(FLAGS.target) if FLAGS.target else None
     devices = target.devices if target else jax.devices()
-    if restore.pretrained(config):
-      report = passes.check_pretrained(config, devices, target)
-    else:
-      report = passes.check(config, devices, target)
+    check = passes.check_pretrained if restore.pretrained(config) else passes.check
+    on_pass = _printer(target.bytes_per_device if target else None)
+    report = check(config, devices, target, FLAGS.passes, on_pass)
   except ConfigError as e:
     exit_with(str(e))
   except passes.CompileFailed as e:

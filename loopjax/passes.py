@@ -3,7 +3,10 @@ for a mesh (forced CPU devices or a target's compile-only chips): the train
 step, evaluation at its deepest iteration count, a language model's
 streamed analysis pass and sampling, a pretrained model's analysis and
 forward. Each reports memory per device, compile time and XLA's warnings
-(`python -m loopjax.aot` prints them)."""
+(`python -m loopjax.aot` prints them, each pass's as its compile ends: on a
+TPU target from a small host one can take minutes). A pass has a short name
+(train, eval, analysis, sampling; a pretrained model's analysis and
+forward) by which `only` chooses some."""
 
 import time
 
@@ -47,17 +50,38 @@ def _compile(lowered, what: str, target: str, fields: str):
     ) from None
 
 
-def _compile_all(passes: dict, target: str, fields: str) -> tuple[dict, list]:
-  """Compiles each of `passes` ({name: (jitted fn, args)}): ({name: memory
+def _lower_and_compile(fn, args, what: str, target: str, fields: str) -> tuple:
+  """`fn` lowered for `args` and compiled: (the executable, its memory and
+  compile time, XLA's rematerialization warnings)."""
+  t = time.perf_counter()
+  with compiled.logged() as log:
+    executable = _compile(fn.lower(*args), what, target, fields)
+  mem = compiled.memory(executable) | {"compile_s": time.perf_counter() - t}
+  return executable, mem, [x for x in log if compiled.REMAT in x]
+
+
+def _compile_all(programs: dict, target: str, fields: str, on_pass) -> tuple:
+  """Compiles each of `programs` ({pass: {name: (jitted fn, args)}}), calling
+  `on_pass(name, memory and compile time)` as each one ends: ({name: memory
   and compile time}, XLA's rematerialization warnings)."""
   out, remat = {}, []
-  for name, (fn, args) in passes.items():
-    t = time.perf_counter()
-    with compiled.logged() as log:
-      executable = _compile(fn.lower(*args), f"the {name} pass", target, fields)
-    out[name] = compiled.memory(executable) | {"compile_s": time.perf_counter() - t}
-    remat += [x for x in log if compiled.REMAT in x]
+  for name, (fn, args) in (x for p in programs.values() for x in p.items()):
+    _, out[name], log = _lower_and_compile(fn, args, f"the {name} pass", target, fields)
+    on_pass(name, out[name])
+    remat += log
   return out, remat
+
+
+def _chosen(programs: dict, only) -> dict:
+  """`programs` ({pass: ...}) narrowed to the passes named in `only` (all
+  when empty); a name this run has no pass of is a ConfigError, raised
+  before anything compiles."""
+  if unknown := [p for p in only if p not in programs]:
+    raise ConfigError(
+      f"--passes: must be among this run's passes ({', '.join(programs)}); "
+      f"got {','.join(unknown)!r}"
+    )
+  return {p: x for p, x in programs.items() if not only or p in only}
 
 
 def _analysis(config, mesh, family, task, model) -> tuple:
@@ -83,12 +107,15 @@ def _analysis(config, mesh, family, task, model) -> tuple:
   return name, (jax.jit(analysis), (model, batch))
 
 
-def check_pretrained(config, devices, target=None) -> dict:
+def check_pretrained(
+  config, devices, target=None, only=(), on_pass=lambda name, mem: None
+) -> dict:
   """A pretrained model's (`restore.abstract`: config.json is all it reads):
   lowers and compiles the MECH analyses' streamed pass to analyze.max_depth
-  recurrences over analyze.batch_size prompts of data.seq_len tokens, and
-  the forward at model.num_loops, its params in model.dtype sharded by the
-  rules; returns each one's memory, compile time and XLA's warnings."""
+  recurrences over analyze.batch_size prompts of data.seq_len tokens
+  ("analysis"), and the forward at model.num_loops ("forward"), its params
+  in model.dtype sharded by the rules; returns each one's memory, compile
+  time and XLA's warnings. `only`, `on_pass`: as `check`'s."""
   rules = tuple(config.sharding.rules)
   mesh = sharding.make_mesh(config.mesh, devices)
   cfg, model, _ = restore.abstract(config, mesh)
@@ -102,14 +129,19 @@ def check_pretrained(config, devices, target=None) -> dict:
       key = jax.random.key(config.seed)
       return model.module()(tokens_BT, None, num_loops=cfg.num_loops, key=key)
 
+  programs = {
+    "analysis": {name: analysis},
+    "forward": {
+      f"forward, {cfg.num_loops} iterations": (jax.jit(forward), (model, tokens))
+    },
+  }
+  programs = _chosen(programs, only)
   where = target.name if target else f"cpu:{len(devices)}"
   passes, remat = _compile_all(
-    {
-      name: analysis,
-      f"forward, {cfg.num_loops} iterations": (jax.jit(forward), (model, tokens)),
-    },
+    programs,
     where,
     "analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+    on_pass,
   )
   out = {
     "target": where,
@@ -125,67 +157,30 @@ def check_pretrained(config, devices, target=None) -> dict:
 
 
 def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> dict:
-  """A run's passes besides the train step: evaluation at its deepest
-  iteration count over eval.batch_size rows (rounded up to the batch's
-  split, as the evaluators do), the streamed analysis pass of a family whose
-  analyses stream (where the run's analyses use it) and the family's
-  sampling programs."""
+  """A run's passes besides the train step, {pass: {name: (jitted fn,
+  args)}}: evaluation ("eval") at its deepest iteration count over
+  eval.batch_size rows (rounded up to the batch's split, as the evaluators
+  do), the streamed analysis pass ("analysis") of a family whose analyses
+  stream (where the run's analyses use it) and the family's sampling
+  programs ("sampling"), where it has any."""
   rules = tuple(config.sharding.rules)
   B = sharding.eval_batch(mesh, rules, config.eval.batch_size)
   batch = _batch(family, config, task, B, sharding.batch_sharding(mesh, rules))
   step = family.eval_step(config, graphdef, mesh, shardings["params"])
-  out = {f"evaluation, {B} rows": (step, (abstract["params"], batch))}
+  out = {"eval": {f"evaluation, {B} rows": (step, (abstract["params"], batch))}}
   model = state.Model(graphdef, abstract["params"], config.model.dtype)
   table = task_lib.FAMILIES[config.data.task].analyses
   if family.streams_analyses and registry.shared(table, config_lib.analyses(config)):
     name, analysis = _analysis(config, mesh, family, task, model)
-    out[name] = analysis
-  return out | family.sampling_programs(config, task, model)
+    out["analysis"] = {name: analysis}
+  if sampling := family.sampling_programs(config, task, model):
+    out["sampling"] = sampling
+  return out
 
 
-def check(config, devices, target=None) -> dict:
-  """Lowers and compiles the train step for a mesh over `devices`; returns
-  the report (`target`: the chips' figures, if they are a target's)."""
-  family = task_lib.for_config(config)
-  task = family.without_examples(config)
-  mesh = sharding.run_mesh(config, devices).mesh
-  graphdef, abstract, tx, shardings = state.sharded_train_state(
-    config, task, mesh, abstract=True
-  )
-  step = train.make_train_step(config, graphdef, tx, mesh, shardings)
-  B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
-  batch = _batch(family, config, task, B, put)
-  report_target = target.name if target else f"cpu:{len(devices)}"
-  t = time.perf_counter()
-  with compiled.logged() as log:
-    executable = _compile(
-      step.lower(abstract, batch),
-      "the train step",
-      report_target,
-      "train.batch_size, data.seq_len, mesh, model.remat",
-    )
-  params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
-  largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
-  report = {
-    "target": report_target,
-    "mesh": dict(mesh.shape),
-    "compile_s": time.perf_counter() - t,
-    "memory": compiled.memory(executable),
-    "collectives": compiled.collectives(executable.as_text()),
-    "rematerialized": [x for x in log if compiled.REMAT in x],
-    "largest": [
-      (jax.tree_util.keystr(path), x.shape, tuple(x.sharding.spec))
-      for path, x in largest
-    ],
-  }
-  report["passes"], remat = _compile_all(
-    _other_passes(config, family, task, mesh, graphdef, abstract, shardings),
-    report_target,
-    "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
-  )
-  report["rematerialized"] += remat
-  if target is None:
-    return report
+def _bound(config, task, devices, target, executable) -> dict:
+  """The train step's time per step bounded by the target chips' peak FLOP/s
+  and HBM bandwidth, with the figures it comes from."""
   V, T = task.model_dims()
   flops = measure.model_flops(config, T, V) / len(devices)  # per device
   cost = executable.cost_analysis()  # None from XLA's GPU compiler
@@ -195,10 +190,63 @@ def check(config, devices, target=None) -> dict:
     "compute_s": flops / target.peak_flops_per_device,
     "hbm_s": moved / target.hbm_bytes_per_s_per_device,  # 0: not reported
   }
-  return report | {
-    "capacity": target.bytes_per_device,
+  return {
     "model_flops_per_device": flops,
     "xla_bytes_accessed": moved,
     "step_s_bound": bound,
     "mfu_bound": bound["compute_s"] / max(bound.values()) if moved else None,
   }
+
+
+def check(
+  config, devices, target=None, only=(), on_pass=lambda name, mem: None
+) -> dict:
+  """Lowers and compiles the train step ("train") and the run's other passes
+  (`_other_passes`) for a mesh over `devices`, or those of them named in
+  `only`, calling `on_pass(name, memory and compile time)` as each compile
+  ends; returns the report (`target`: the chips' figures, if they are a
+  target's)."""
+  family = task_lib.for_config(config)
+  task = family.without_examples(config)
+  mesh = sharding.run_mesh(config, devices).mesh
+  graphdef, abstract, tx, shardings = state.sharded_train_state(
+    config, task, mesh, abstract=True
+  )
+  step = train.make_train_step(config, graphdef, tx, mesh, shardings)
+  B, put = config.train.batch_size, sharding.batch_sharding(mesh, config.sharding.rules)
+  batch = _batch(family, config, task, B, put)
+  programs = {"train": {"train step": (step, (abstract, batch))}}
+  programs |= _other_passes(config, family, task, mesh, graphdef, abstract, shardings)
+  programs = _chosen(programs, only)
+  report = {"target": target.name if target else f"cpu:{len(devices)}"}
+  report["mesh"], remat = dict(mesh.shape), []
+  if train_step := programs.pop("train", None):
+    executable, mem, remat = _lower_and_compile(
+      *train_step["train step"],
+      "the train step",
+      report["target"],
+      "train.batch_size, data.seq_len, mesh, model.remat",
+    )
+    on_pass("train step", mem)
+    report["compile_s"] = mem["compile_s"]
+    report["memory"] = compiled.memory(executable)
+    report["collectives"] = compiled.collectives(executable.as_text())
+  params = jax.tree_util.tree_flatten_with_path(abstract["params"])[0]
+  largest = sorted(params, key=lambda p: -int(np.prod(p[1].shape)))[:6]
+  report["rematerialized"] = remat
+  report["largest"] = [
+    (jax.tree_util.keystr(path), x.shape, tuple(x.sharding.spec)) for path, x in largest
+  ]
+  report["passes"], remat = _compile_all(
+    programs,
+    report["target"],
+    "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh",
+    on_pass,
+  )
+  report["rematerialized"] += remat
+  if target is None:
+    return report
+  report["capacity"] = target.bytes_per_device
+  if train_step:
+    report |= _bound(config, task, devices, target, executable)
+  return report

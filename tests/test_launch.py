@@ -138,6 +138,9 @@ def test_aot_compiles_for_a_target_mesh_and_reports_memory(tmp_path):
   # reshards nothing by full rematerialization (issue 27).
   assert "rematerialization" not in out.stderr + out.stdout
   assert "mesh data 2 x fsdp 2 x tensor 2 on cpu:8 (XLA:CPU)" in out.stdout
+  # each pass's line as its compile ends, then the report
+  order = ("compiled train step (", "compiled evaluation, ", "compiled the train step")
+  assert sorted(order, key=out.stdout.find) == list(order), out.stdout
   for k in ("arguments", "temporaries", "outputs", "peak"):
     assert re.search(rf"{k} +\d+\.\d+ GiB", out.stdout), out.stdout
   assert "['core'][0]['mlp']['w1']" in out.stdout and "('fsdp', 'tensor')" in out.stdout
@@ -145,6 +148,72 @@ def test_aot_compiles_for_a_target_mesh_and_reports_memory(tmp_path):
   coll = json.loads(report.read_text())["collectives"]
   assert coll["all-reduce"]["count"] > 0 and coll["all-reduce"]["bytes"] > 0
   assert re.search(r"collectives per step: .*all-reduce \d+", out.stdout)
+
+
+def test_aot_prints_each_pass_as_its_compile_ends(monkeypatch):
+  """`on_pass` hears of each pass before the next one compiles; `only`
+  compiles just the passes it names (no train step: none of its fields)."""
+  import jax
+
+  from experiments import lm
+  from loopjax import passes
+
+  events, compile_ = [], passes._compile
+
+  def compile_logged(lowered, what, *args):
+    events.append(("compile", what))
+    return compile_(lowered, what, *args)
+
+  monkeypatch.setattr(passes, "_compile", compile_logged)
+  report = passes.check(
+    lm.get_config("tiny"),
+    jax.devices()[:1],
+    only=["sampling", "eval"],
+    on_pass=lambda name, mem: events.append(("line", name)),
+  )
+  names = ["evaluation, 16 rows"]
+  names += ["sampling, prefill of 16 tokens", "sampling, one token (cache of 32)"]
+  assert events == [
+    x for name in names for x in (("compile", f"the {name} pass"), ("line", name))
+  ]
+  assert list(report["passes"]) == names
+  assert not {"memory", "compile_s", "collectives"} & set(report)
+
+
+def test_aot_refuses_an_unknown_pass_before_compiling(monkeypatch):
+  import jax
+
+  from experiments import sysgen
+  from loopjax import passes
+  from loopjax.errors import ConfigError
+
+  monkeypatch.setattr(passes, "_compile", lambda *a: pytest.fail("compiled"))
+  with pytest.raises(ConfigError) as e:
+    passes.check(sysgen.get_config("tiny"), jax.devices()[:1], only=["eval", "nope"])
+  assert str(e.value) == (
+    "--passes: must be among this run's passes (train, eval); got 'nope'"
+  )
+
+
+def test_aot_compiles_only_the_passes_named(tmp_path):
+  report = tmp_path / "aot.json"
+  out = _aot("--devices=1", "--passes=eval", f"--json={report}")
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert list(json.loads(report.read_text())["passes"]) == ["evaluation, 256 rows"]
+  assert "memory" not in json.loads(report.read_text())  # no train step
+  lines = out.stdout.splitlines()
+  assert re.fullmatch(
+    r"compiled evaluation, 256 rows \(\d+\.\d s\): arguments \d\.\d{3} GiB, "
+    r"temporaries .*, peak \d\.\d{3} GiB per device",
+    lines[0],
+  ), lines
+  assert lines[1].startswith("compiled for mesh data 1 x fsdp 1 x tensor 1 on cpu:1")
+  out = _aot("--devices=1", "--passes=eval,sampling")
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+    "error: --passes: must be among this run's passes (train, eval); got 'sampling'"
+  ]
+  assert out.stdout == ""
 
 
 @pytest.mark.parametrize(
