@@ -160,7 +160,7 @@ def restore(
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try older
       if step is not None:
         raise
-      failed.append((s, first_line(e)))
+      failed.append((s, _damage(e)))
       continue
     for bad, why in failed:
       if quarantine:
@@ -174,6 +174,12 @@ def restore(
       f"{failed[0][1]}); nothing was changed. Move them away to start afresh"
     )
   return None, None
+
+
+def _damage(e: Exception) -> str:
+  """What is wrong with a checkpoint, in a line: TensorStore appends a dump of
+  its spec ("See full TensorStore details: <bound method ...") to the cause."""
+  return first_line(e).split(" See full TensorStore details")[0].rstrip(".")
 
 
 def steps(mngr: ocp.CheckpointManager, tries: int = 5) -> list[int]:
