@@ -199,7 +199,7 @@ def test_a_checkpoint_deleted_under_a_reader_is_skipped_quietly(
   config, done = straight
   workdir = tmp_path / "run"
   shutil.copytree(done, workdir)
-  reader = restore.Reader(config, workdir, data.load(config.data))
+  reader = restore.Reader(config, workdir, data.knowledge_graph(config.data))
   try:
     assert reader.steps()[-1] == 120
     shutil.rmtree(workdir / "checkpoints" / "120")  # orbax's list still has it
@@ -223,7 +223,7 @@ def test_a_checkpoint_deleted_under_a_reader_is_skipped_quietly(
 def _restore(config, workdir, step):
   from loopjax import data
 
-  task = data.load(config.data)
+  task = data.knowledge_graph(config.data)
   model = build_model(
     config.model, task.vocab.vocab_size, task.splits["train"]["inputs"].shape[1], 0
   )

@@ -123,7 +123,7 @@ def test_a_sharded_lm_step_matches_one_device(lm_config):
   from loopjax.train import make_train_step
 
   lm_config.model.update(num_heads=4, num_kv_heads=2, mlp_type="swiglu")
-  task = data.load(lm_config.data)
+  task = data.text(lm_config.data)
   batches = [next(data.lm.train_iterator(task, 8, s)) for s in range(2)]
   graphdef, state, tx = train_state(lm_config, task)
   step = make_train_step(lm_config, graphdef, tx)
