@@ -240,6 +240,7 @@ def analyses(c) -> tuple[str, ...]:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Raises ConfigError naming the first bad field."""
+  check_types(c)
   field_rules.check_fields(c)
   d, m, t, a = c.data, c.model, c.train, c.analyze
   if m.init_from:
@@ -264,7 +265,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   else:
     task.imported(rules.check)(c)
   allowed = rules.analyses
-  if wrong := [n for n in a.names if n not in allowed]:
+  if wrong := [n for n in a.names if not isinstance(n, str) or n not in allowed]:
     raise ConfigError(
       f"analyze.names: each must be one of {', '.join(allowed)} (data.task "
       f"{d.task!r}); got {wrong[0]!r}"
@@ -301,6 +302,69 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"eval.depths: a tuple of integers >= 1, e.g. '(4,8,16)'; got {depths!r}"
     )
   _validate_mesh(c)
+
+
+# What a field's default says of its values: (the default's type, the types a
+# value may have, a value's name, a tuple's elements'). A bool is no number.
+_KINDS = (
+  (bool, (bool,), "true or false", "booleans"),
+  (int, (int,), "an integer", "integers"),
+  (float, (int, float), "a number", "numbers"),
+  (str, (str,), "a string", "strings"),
+)
+
+
+def _is(value, types) -> bool:
+  return isinstance(value, types) and (bool in types or not isinstance(value, bool))
+
+
+def _kind(default):
+  return next((k for k in _KINDS if isinstance(default, k[0])), None)
+
+
+def check_types(c) -> None:
+  """Raises ConfigError naming the first field whose value is not of its
+  default's type (`_check_types`); `c`: a config, or a dict as config.json
+  holds it."""
+  _check_types(c, base())
+
+
+def _check_types(c, reference, prefix: str = "") -> None:
+  """Each field of `reference` (base()) holds a value of its default's type,
+  and a tuple whose default's elements share a type, elements of it: a
+  config.json edited by hand or an experiment's typo fails here in one line,
+  not in the code that reads the field (None where a number goes, `true`
+  where an integer does)."""
+  for k, default in reference.items():
+    if k not in c:
+      continue
+    value, field = c[k], prefix + k
+    if hasattr(default, "items"):
+      _check_types(value, default, field + ".")
+      continue
+    if isinstance(default, tuple | list):
+      kinds = {_kind(x) for x in default}
+      inner = kinds.pop() if len(kinds) == 1 else None
+      if not isinstance(value, tuple | list):
+        wrong = f"a tuple{f' of {inner[3]}' if inner else ''}"
+      elif inner and not all(_is(x, inner[1]) for x in value):
+        wrong = f"a tuple of {inner[3]}"
+      else:
+        continue
+    elif (kind := _kind(default)) is None:
+      continue
+    elif not _is(value, kind[1]):
+      wrong = kind[2]
+    elif isinstance(value, int) and not -(2**63) <= value < 2**63:
+      wrong = "a 64-bit integer"  # numpy's and JAX's: larger ones overflow there
+    else:
+      continue
+    raise ConfigError(f"{field}: must be {wrong}; got {_short(value)}")
+
+
+def _short(value, limit: int = 80) -> str:
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
 def _validate_model(m) -> None:

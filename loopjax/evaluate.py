@@ -7,7 +7,7 @@ from pathlib import Path
 
 from loopjax import restore
 from loopjax import task as task_lib
-from loopjax.workdir import write_atomic
+from loopjax.workdir import Workdir, write_atomic
 
 
 def results(config, task, per_depth: dict, step: int) -> dict:
@@ -31,6 +31,7 @@ def write_results(workdir: Path, report: dict) -> Path:
 def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """Restores a checkpoint (default: the newest good one), writes
   `eval/step_<N>.json` and prints its table."""
+  Workdir(workdir).check_writable("eval")  # before the work, not after it
   family = task_lib.for_config(config)
   task, model, step = restore.from_checkpoint(config, workdir, step)
   evaluator = family.evaluator(config, task, model.graphdef, config.eval.depths)

@@ -44,6 +44,7 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   wd, given, started = Workdir(workdir), config is not None, time.time()
   config = _wait_for_config(wd, config, poll_s)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
+  wd.check_writable("eval")
   with wd.exclusive("follow"):
     task = task_lib.for_config(config).load(config)
     reader = restore.Reader(config, wd.path, task)

@@ -5,45 +5,70 @@ A step that cannot fit should fail in seconds with the fields that make it
 big, not after minutes of compiling and a kill by the OS (a 100k-token
 sequence's document mask alone is 80 GB). The bound counts only what the step
 must hold at once: the train state's shard (float32 params, Adam's two
-moments, the gradient) and what the attention kernel the step will run
-builds for one layer (model/attention_kernels.py): for packed text under the
-CPU's blocked or XLA's attention, the (B, T, T) document mask, and under
-XLA's on an accelerator the attention logits (B, N, T, T) in float32 (the
-fused kernels hold neither). Choosing the kernel here also refuses one the
-target cannot run, before anything compiles. The compiled step's own memory
-analysis is the full account: `check_compiled` holds it against the same
-capacity before the first step runs (and `python -m loopjax.aot` reports it
-for a target).
+moments, the gradient), the state (B, T, D) the scan over iterations keeps
+of each of its R_max iterations for the backward pass, and what the
+attention kernel the step will run builds for one layer
+(model/attention_kernels.py): under XLA's, for packed text the (B, T, T)
+document mask, and on an accelerator the attention logits (B, N, T, T) in
+float32; under the CPU's blocked kernel, the float32 scores, their weights'
+cotangent and the scores' of every block, which XLA:CPU computes side by
+side (`python -m loopjax.aot` of `lm.py:tiny`, batch 1, 2 heads: a peak of
+0.88 GiB at 8,192 tokens and 124 GiB at 100,000, against 0.80 and 119 GiB
+counted here; model/blocked_attention.py). The other fused kernels hold
+none of these. Choosing the kernel here also refuses one
+the target cannot run, before anything compiles. The compiled step's own
+memory analysis is the full account: `check_compiled` holds it against the
+same capacity before the first step runs (and `python -m loopjax.aot`
+reports it for a target).
 """
 
-import math
 import os
 
 import jax
+import jax.numpy as jnp
 
 from loopjax import sharding
 from loopjax.errors import ConfigError
-from loopjax.model import attention_kernels
+from loopjax.model import attention_kernels, blocked_attention
 
 GIB = 2**30
 STATE = "params, Adam moments, gradient"  # float32: 16 bytes per parameter
+ITERATIONS = "each iteration's state"
+BLOCKED = "attention scores of every block (3 x B, N, ~T^2 / 2)"
 
 
-def lower_bound(config, family, task, mesh, params) -> dict[str, float]:
-  """{term: bytes per device} of a step's memory that no schedule avoids;
-  `params`: the model's (abstract) params."""
+def params(m, vocab: int) -> int:
+  """At least how many parameters the model `m` (config.model) has: the
+  token embedding, and per block the query and output projections and the
+  MLP's two matrices (keys, values, norms, biases and an untied unembedding
+  come on top). Counted from the config: a model too big to fit fails here
+  before it is built (a block is a Python object: 2^31 of them never are)."""
+  blocks = m.num_prelude + m.num_layers + m.num_coda
+  hidden = m.mlp_hidden or m.mlp_ratio * m.d_model
+  return vocab * m.d_model + blocks * 2 * m.d_model * (m.d_model + hidden)
+
+
+def lower_bound(config, family, task, mesh) -> dict[str, float]:
+  """{term: bytes per device} of a step's memory that no schedule avoids
+  (the blocked kernel's: what XLA:CPU's schedule holds)."""
   m = config.model
-  _, T = task.model_dims()
+  V, T = task.model_dims()
   platform = mesh.devices.flat[0].platform
   packed = family.packs_documents and m.document_mask
   kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
   rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
-  size = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-  out = {STATE: 16 * size / mesh.devices.size}
-  if packed and kernel in ("xla", "blocked"):
+  out = {STATE: 16 * params(m, V) / mesh.devices.size}
+  depth = config.train.depth
+  R = m.num_loops if depth.dist == "fixed" else depth.max
+  width = jnp.dtype(m.dtype).itemsize
+  out[f"{ITERATIONS} (R {R}, B, T, D)"] = R * rows * T * m.d_model * width
+  if packed and kernel == "xla":
     out["document mask (B, T, T)"] = rows * T * T
   if kernel == "xla" and platform != "cpu":
     out["attention logits (B, N, T, T)"] = 4 * rows * m.num_heads * T * T
+  if kernel == "blocked":  # XLA:CPU runs the unrolled blocks side by side
+    scores = sum((e - s) * e for s, e in blocked_attention.blocks(T))
+    out[BLOCKED] = 12 * rows * m.num_heads * scores
   return out
 
 
@@ -59,16 +84,18 @@ def capacity(mesh) -> tuple[int, str]:
   return host // local, f"this host's memory / {local} devices"
 
 
-def check(config, family, task, mesh, params) -> None:
+def check(config, family, task, mesh) -> None:
   """Raises ConfigError when the lower bound exceeds the devices' memory."""
   have, what = capacity(mesh)
-  terms = lower_bound(config, family, task, mesh, params)
+  terms = lower_bound(config, family, task, mesh)
   need = sum(terms.values())
   if need > have:
     big = max(terms, key=terms.get)
     fields = (  # the state's shard grows with the model, not the batch
       "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
       if big == STATE
+      else "model.num_loops (or train.depth.max), train.batch_size, data.seq_len"
+      if big.startswith(ITERATIONS)
       else "train.batch_size, data.seq_len"
     )
     raise ConfigError(

@@ -81,7 +81,7 @@ def main(argv):
 
     try:
       print("wrote " + ", ".join(map(str, report.report(workdir))))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
       exit_with(str(e))
     return
   import jax

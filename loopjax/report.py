@@ -23,7 +23,7 @@ from loopjax.data.kg import hop_count
 from loopjax.kg import ablations, grokking
 from loopjax.lm import study as lm_study
 from loopjax.metrics import read_jsonl, wall_times
-from loopjax.workdir import Workdir
+from loopjax.workdir import Workdir, run_config
 
 SPLITS = (
   "train_inferred",
@@ -50,6 +50,7 @@ def plot_lm(workdir: Path) -> Path:
   records = read_jsonl(workdir / "metrics.jsonl")
   train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
   evals = [r for r in records if LM_LOSS in r]
+  R = run_config(workdir).model.num_loops  # read before a figure is open
   fig, (ax, by_r) = plt.subplots(1, 2, figsize=(11, 4))
   if train:
     ax.plot(*zip(*train, strict=True), label="train", alpha=0.6)
@@ -63,7 +64,6 @@ def plot_lm(workdir: Path) -> Path:
   picks = (
     evals if len(evals) <= 4 else [evals[i * (len(evals) - 1) // 3] for i in range(4)]
   )
-  R = int(json.loads((workdir / "config.json").read_text())["model"]["num_loops"])
   for r in picks:
     d = sorted(int(k.rpartition("@")[2]) for k in r if k.startswith(LM_LOSS + "@"))
     depths = sorted([*d, R])
@@ -213,11 +213,15 @@ def _num(x, digits: int) -> str:
 def report(path: Path) -> list[Path]:
   """Writes the figures and results.md for a run or a sweep root; returns paths."""
   if (path / "metrics.jsonl").exists():
+    Workdir(path).check_writable("", "plots")  # before the work, not after it
     runs, figures = [path], [_plot(path)]
   else:
     runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
     if not runs:
       raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
+    Workdir(path).check_writable("", "plots")
+    for run in runs:
+      Workdir(run).check_writable("plots")
     figures = [_plot(r) for r in runs] + [plot_sweep(path, runs)]
     kg = [r for r in runs if not lm_study.is_lm(r)]
     figures += ablations.write(path, kg) + lm_study.write(path, runs)

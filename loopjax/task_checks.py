@@ -10,6 +10,16 @@ from pathlib import Path
 from loopjax.errors import ConfigError
 
 MIN_VOCAB = 259  # a trained byte-level tokenizer: 256 bytes, <pad>, <bos>, <eos>
+# The BPE trainer (tokenizers) allocates ~66 bytes per vocabulary entry up
+# front: at 2^31 it asked for 141,733,920,784 bytes and aborted the process.
+# 2^20 is 69 MB, four times Gemma's 262,144 (the largest vocabulary in use).
+MAX_VOCAB = 2**20
+# Numbers a knowledge-graph generator holds at once (int64 and float64: 8
+# bytes each, 2 GiB): composition enumerates every 2-hop chain (E * D^2 of
+# them, and E * R draws; the grokked transformer's largest, 2000 * 20^2 =
+# 800,000), chains pads each example of k = 2 .. max_hops hops to max_hops +
+# 1 tokens. Past it, numpy's MemoryError (2^31 entities asked for 128 GiB).
+MAX_GENERATED = 2**28
 
 
 def _kg_source(c) -> None:
@@ -27,6 +37,16 @@ def _no_curriculum(c) -> None:
     )
 
 
+def _generated(c, fields: str, what: str, n: int) -> None:
+  """Refuses a generated task of more than MAX_GENERATED numbers, before the
+  generator tries (a MemoryError, or minutes of it)."""
+  if c.data.source == "generate" and n > MAX_GENERATED:
+    raise ConfigError(
+      f"{fields}: the generator would hold {n:.3g} {what}, more than "
+      f"{MAX_GENERATED:,} (task_checks.MAX_GENERATED)"
+    )
+
+
 def composition(c) -> None:
   """The fields a 2-hop composition run reads (config.validate)."""
   _kg_source(c)
@@ -41,6 +61,9 @@ def composition(c) -> None:
       f"data.out_degree: must be <= data.num_relations "
       f"({d.num_relations}); got {d.out_degree}"
     )
+  numbers = d.num_entities * max(d.out_degree**2, d.num_relations)
+  fields = "data.num_entities, data.out_degree"
+  _generated(c, fields, "numbers (E * D^2 chains)", numbers)
 
 
 def chains(c) -> None:
@@ -53,6 +76,9 @@ def chains(c) -> None:
     raise ConfigError(
       f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
     )
+  rows = (d.max_hops - 1) * (d.train_per_hop + d.test_per_hop)
+  fields = "data.max_hops, data.train_per_hop, data.test_per_hop"
+  _generated(c, fields, "padded tokens", rows * (d.max_hops + 1))
   if d.pad_to and d.pad_to < d.max_hops + 2:
     raise ConfigError(
       f"data.pad_to: 0 (the answer at the chain's last token) or >= "
@@ -112,6 +138,11 @@ def lm(c) -> None:
     raise ConfigError(
       f"data.vocab_size: must be >= {MIN_VOCAB} (every byte and <pad> <bos> <eos>); "
       f"got {d.vocab_size}"
+    )
+  if not d.tokenizer and d.vocab_size > MAX_VOCAB:
+    raise ConfigError(
+      f"data.vocab_size: must be <= {MAX_VOCAB:,} for a tokenizer trained here "
+      f"(task_checks.MAX_VOCAB); got {d.vocab_size}"
     )
   if d.seq_len < 2:
     raise ConfigError(f"data.seq_len: must be >= 2; got {d.seq_len}")

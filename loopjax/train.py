@@ -154,10 +154,10 @@ def train_and_evaluate(config, workdir) -> dict:
   task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = task.summary()  # fingerprints every array: once
   mesh, rules, rows = sharding.run_mesh(config)  # mesh errors before any write
+  footprint.check(config, family, task, mesh)  # in seconds, before the model
   graphdef, abstract, tx, shardings = sharded_train_state(
     config, task, mesh, abstract=True
   )
-  footprint.check(config, family, task, mesh, abstract["params"])  # in seconds
   wd.check_data(dataset)
   fork = None if wd.has_checkpoints() else Fork.of(config, dataset)
   wd.check_writable()

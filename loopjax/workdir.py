@@ -12,6 +12,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import jax
@@ -51,7 +52,7 @@ def conflicts(
   defaults = config_lib.base().to_dict() if defaults is None else defaults
   out = []
   for k in sorted(set(old) | set(new)):
-    path = f"{prefix}{k}"
+    path = prefix + (k if k.isprintable() else repr(k))  # a key edited in
     if any(path == r or path.startswith(r + ".") for r in free):
       continue
     a, b = old.get(k, "<missing>"), new.get(k, "<missing>")
@@ -69,9 +70,9 @@ def _short(value, limit: int = 60) -> str:
 
 
 def read_json(path: Path, like: dict | None = None):
-  """A record of the run; one that does not parse (cut short by a full disk,
-  edited by hand), or that is not shaped `like` (an object, with an object
-  wherever `like` has one), is a ConfigError naming it."""
+  """A record of the run; one that cannot be read or does not parse (cut
+  short by a full disk, edited by hand), or that is not shaped `like` (an
+  object, with an object wherever `like` has one), is a ConfigError naming it."""
   try:
     data = json.loads(path.read_text())
   except json.JSONDecodeError as e:
@@ -79,6 +80,12 @@ def read_json(path: Path, like: dict | None = None):
       f"{path}: not valid JSON ({e.msg}, line {e.lineno}); restore it or move "
       "the workdir away"
     ) from None
+  except UnicodeDecodeError:
+    raise ConfigError(
+      f"{path}: not text (not UTF-8); restore it or move the workdir away"
+    ) from None
+  except OSError as e:  # missing, a directory, unreadable
+    raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
   if like is not None:
     _check_shape(data, like, path)
   return data
@@ -93,6 +100,15 @@ def _check_shape(value, like: dict, path: Path, at: str = "") -> None:
   for k, sub in like.items():
     if isinstance(sub, dict) and k in value:
       _check_shape(value[k], sub, path, f"{at}{k}.")
+
+
+def run_config(path: Path):
+  """The config of the run in `path`, read as `Workdir.saved_config` reads
+  it, for the readers of finished runs (reports); none is a ConfigError."""
+  config = Workdir(path).saved_config()
+  if config is None:
+    raise ConfigError(f"{path}: no config.json (every loopjax run writes one)")
+  return config
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -125,11 +141,12 @@ class Workdir:
     c.unlock()
     data = read_json(saved, c.to_dict())
     try:
+      config_lib.check_types(data)  # each field by name, before update's own
       c.update(data)  # recursive; lists become tuples
-    except (TypeError, ValueError, KeyError) as e:
+    except (TypeError, ValueError, KeyError) as e:  # ConfigError among them
       raise ConfigError(
-        f"{saved}: does not read as a loopjax config ({first_line(e)}); restore "
-        "it or move the workdir away"
+        f"{saved}: does not read as a loopjax config ({first_line(e, 200)}); "
+        "restore it or move the workdir away"
       ) from None
     return c
 
@@ -154,17 +171,21 @@ class Workdir:
   def has_checkpoints(self) -> bool:
     return self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir())
 
-  def check_writable(self) -> None:
-    """Fails now, not at the first checkpoint, if the workdir cannot be written."""
-    probe = self.path / f".write-probe-{jax.process_index()}"
-    try:
-      self.path.mkdir(parents=True, exist_ok=True)
-      probe.write_bytes(b"")
-      probe.unlink()
-    except OSError as e:
-      raise ConfigError(
-        f"--workdir={self.path}: cannot write there ({e.strerror or e})"
-      ) from e
+  def check_writable(self, *folders: str) -> None:
+    """Fails now, not at the first checkpoint or result, if the workdir (or
+    each of its `folders`, made if missing) cannot be written: read-only, a
+    file in the way, another user's."""
+    for where in [self.path / f for f in folders] or [self.path]:
+      try:
+        where.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=where):  # a name no other process has
+          pass
+      except OSError as e:
+        there = "there" if where == self.path else f"in {where}"
+        why = "a file is in the way" if isinstance(e, FileExistsError) else None
+        raise ConfigError(
+          f"--workdir={self.path}: cannot write {there} ({why or e.strerror or e})"
+        ) from e
 
   def exclusive(self, role: str = "train"):
     """One trainer (role "train", per process) or one evaluation job ("follow")

@@ -1,11 +1,14 @@
 """Shared fixtures: tiny configs and a CPU with 8 devices for sharding tests."""
 
 import atexit
+import contextlib
+import io
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # CPU tests, whatever else is installed: the `targets` extra's libtpu and CUDA
@@ -131,3 +134,35 @@ def lm_config(tmp_path):
   c.data.data_dir = str(tmp_path / "data")
   c.data.valid_fraction = 0.2
   return c
+
+
+# The command line, in this process: `python -m loopjax.main` costs a JAX start
+# per case; here a case costs what the mode does before it exits.
+def main_in_process(*argv, entry: str = "main") -> tuple[int, list[str]]:
+  """`python -m loopjax.<entry> ARGV` as `cli.run` runs it: (exit code,
+  stderr's lines). An exception other than SystemExit is the traceback a
+  user would see."""
+  import importlib
+
+  from absl import flags
+
+  from loopjax import cli
+
+  main = importlib.import_module(f"loopjax.{entry}")
+  FLAGS = flags.FLAGS
+  for name in [n for n in FLAGS if n.startswith("config.")]:
+    delattr(FLAGS, name)  # config_flags defines one flag per override
+  FLAGS.unparse_flags()
+  err = io.StringIO()
+  argv = [f"loopjax.{entry}", *argv]
+  with (
+    mock.patch.object(sys, "argv", argv),  # config_flags reads its overrides there
+    contextlib.redirect_stderr(err),
+    contextlib.redirect_stdout(io.StringIO()),
+  ):
+    try:
+      main.main(cli._parse(argv))
+      code = 0
+    except SystemExit as e:
+      code = e.code
+  return code, err.getvalue().splitlines()

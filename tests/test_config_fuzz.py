@@ -6,10 +6,13 @@ A config that validates must get through data generation, model construction,
 tracing of the train step and a real evaluation without any other exception.
 """
 
+import json
 import math
+import time
 
 import jax
 import pytest
+from conftest import main_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -179,3 +182,359 @@ def test_harness_model_args_are_one_line_or_accepted(args):
     assert parsed.get(name) is None or (
       isinstance(parsed[name], int) and parsed[name] >= 1
     )
+
+
+def _one_line_or_ok(code, lines, case, seconds=None, limit=None):
+  assert code in (0, 2), (case, code, lines)
+  if code == 2:
+    assert len(lines) == 1 and lines[0].startswith("error: "), (case, lines)
+    assert len(lines[0]) < 500, (case, lines)
+  if limit is not None:
+    assert seconds < limit, (case, f"{seconds:.1f} s")
+
+
+# A workdir's records reshaped, as a hand edit, a copy cut short or a file from
+# elsewhere leaves them: valid JSON of the wrong shape, or not JSON at all.
+TINY = json.loads(config_lib.to_json(sysgen.get_config("tiny")))
+_scalar = (
+  st.none() | st.booleans() | st.integers(-3, 2**70) | st.floats() | st.text(max_size=6)
+)
+_junk = _scalar | st.lists(_scalar, max_size=3)  # never an object
+
+
+def _paths(d, prefix=""):
+  for k, v in d.items():
+    yield prefix + k, v
+    if isinstance(v, dict):
+      yield from _paths(v, f"{prefix}{k}.")
+
+
+_SECTIONS = sorted(p for p, v in _paths(TINY) if isinstance(v, dict))
+_LEAVES = {p: v for p, v in _paths(TINY) if not isinstance(v, dict)}
+
+
+def _of_another_type(default):
+  """A JSON value whose type is not `default`'s (an int for a float is the
+  same number, and for data.* would only make other data, slowly)."""
+  if isinstance(default, bool):
+    return _junk.filter(lambda v: not isinstance(v, bool))
+  if isinstance(default, int | float):
+    return _junk.filter(lambda v: isinstance(v, bool) or not isinstance(v, int | float))
+  if isinstance(default, str):
+    return _junk.filter(lambda v: not isinstance(v, str))
+  return _scalar  # a list field: anything but a list
+
+
+_edit = st.one_of(
+  st.tuples(st.just("file"), _junk | st.binary(max_size=12)),
+  st.tuples(st.just("section"), st.sampled_from(_SECTIONS), _junk),
+  st.sampled_from(sorted(_LEAVES)).flatmap(
+    lambda p: st.tuples(st.just("field"), st.just(p), _of_another_type(_LEAVES[p]))
+  ),
+  st.tuples(
+    st.just("extra"),
+    st.sampled_from(["", *_SECTIONS]),
+    st.text(min_size=1, max_size=5),
+    _junk,
+  ),
+  st.tuples(  # the data section's fields have defaults for other data
+    st.just("missing"),
+    st.sampled_from([p for p in _SECTIONS + sorted(_LEAVES) if p != "data"]),
+  ),
+)
+_dataset = st.one_of(
+  st.just({}),
+  st.just({"sizes": {"train": 1}}),
+  _junk.map(lambda v: {"fingerprint": v}),
+  _junk,
+  st.text(min_size=1, max_size=8).map(lambda v: {"fingerprint": v}),  # another's
+  st.binary(max_size=8),
+)
+
+
+def _edited(config: dict, edits) -> dict | object:
+  out = json.loads(json.dumps(config))
+  for edit in edits:
+    kind, *args = edit
+    if kind == "file":
+      return args[0]
+    if not isinstance(out, dict):
+      break
+    *parents, last = (args[0].split(".") if args[0] else []) + (
+      [args[1]] if kind == "extra" else []
+    )
+    node = out
+    for k in parents:
+      node = node.get(k) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or (kind != "extra" and last not in node):
+      continue  # an earlier edit removed or replaced it
+    if kind == "missing":
+      del node[last]
+    else:
+      node[last] = args[-1]
+  return out
+
+
+def _write(path, value) -> None:
+  if isinstance(value, bytes):
+    path.write_bytes(value)
+  else:
+    path.write_text(json.dumps(value))
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  """The tiny config (as config.json holds it) with its data prepared once,
+  and a metrics.jsonl of a language model's evaluation for `--mode=report`."""
+  root = tmp_path_factory.mktemp("records")
+  config = TINY | {"data": TINY["data"] | {"data_dir": str(root / "data")}}
+  (root / "run").mkdir()
+  _write(root / "run" / "config.json", config)
+  code, _ = main_in_process("--mode=eval", f"--workdir={root / 'run'}")
+  assert code == 2  # no checkpoint yet; the data are prepared
+  return root, config
+
+
+_MODES = ("eval", "analyze", "report", "report_sweep", "train", "fork")
+METRICS = '{"step": 1, "train/loss": 2.0, "eval/validation/loss": 1.5}\n'
+
+
+def _check_records(prepared, mode, edits, dataset):
+  root, config = prepared
+  case = root / f"case{len(list(root.glob('case*')))}"
+  run = case / "sweep" / "a" if mode == "report_sweep" else case / "run"
+  run.mkdir(parents=True)
+  _write(run / "config.json", _edited(config, edits))
+  if dataset is not None:
+    _write(run / "dataset.json", dataset)
+  (run / "metrics.jsonl").write_text(METRICS)
+  given = ["--config=experiments/sysgen.py:tiny"]
+  given.append(f"--config.data.data_dir={config['data']['data_dir']}")
+  args = {
+    "eval": ["--mode=eval", f"--workdir={run}"],
+    "analyze": ["--mode=analyze", f"--workdir={run}"],
+    "report": ["--mode=report", f"--workdir={run}"],
+    "report_sweep": ["--mode=report", f"--workdir={run.parent}"],
+    "train": [*given, f"--workdir={run}", "--config.train.num_steps=1"],
+    "fork": [
+      *given,
+      f"--workdir={case / 'fork'}",
+      f"--config.checkpoint.fork_from={run}",
+    ],
+  }[mode]
+  if mode == "train" and dataset is None:  # it would train: no other data
+    _write(run / "dataset.json", {"fingerprint": "another run's"})
+  start = time.monotonic()
+  code, lines = main_in_process(*args)
+  _one_line_or_ok(code, lines, (mode, edits, dataset), time.monotonic() - start, 60)
+
+
+@_settings(24)  # 200: -m slow
+@given(
+  st.sampled_from(_MODES), st.lists(_edit, min_size=1, max_size=3), st.none() | _dataset
+)
+def test_reshaped_workdir_records_are_one_line(prepared, mode, edits, dataset):
+  """config.json and dataset.json of any shape, read by every mode that reads
+  them (a run resumed or forked from, evaluated, analyzed, reported)."""
+  _check_records(prepared, mode, edits, dataset)
+
+
+@pytest.mark.slow
+@_settings(200)
+@given(
+  st.sampled_from(_MODES), st.lists(_edit, min_size=1, max_size=3), st.none() | _dataset
+)
+def test_reshaped_workdir_records_many(prepared, mode, edits, dataset):
+  _check_records(prepared, mode, edits, dataset)
+
+
+# A value of another type on the command line: `--config.<field>=TEXT` where
+# TEXT reads as another kind of value than the field's (what config_flags
+# parses it to is its business; a one-line error or a run is ours).
+_TEXTS = {
+  int: st.integers(-3, 2**70).map(str),
+  float: st.floats().map(repr) | st.sampled_from(["1e400", "-inf", "nan"]),
+  bool: st.sampled_from(["True", "false", "yes"]),
+  type(None): st.just("None"),
+  str: st.text(alphabet="abcxyz_:/.-", max_size=6),
+  tuple: st.lists(st.integers(-2, 5), max_size=3).map(lambda v: repr(tuple(v)))
+  | st.sampled_from(["(", "((1, 2),)", "('a', None)", "[1, 'x']", "{}", "(1.5,)"]),
+}
+_CLI_FIELDS = sorted(set(FIELDS) - {"compile_cache"})  # where files go
+
+
+def _other_text(field):
+  default = FIELDS[field]
+  own = {bool: bool, int: int, float: float, str: str}.get(type(default), tuple)
+  others = [s for kind, s in _TEXTS.items() if kind is not own]
+  if own is float:  # an integer is a number
+    others.remove(_TEXTS[int])
+  return st.one_of(others)
+
+
+_typed_overrides = st.lists(
+  st.sampled_from(_CLI_FIELDS).flatmap(lambda f: st.tuples(st.just(f), _other_text(f))),
+  min_size=1,
+  max_size=2,
+)
+
+
+def _check_typed(prepared, pairs):
+  root, config = prepared
+  flags = [f"--config.{f}={text}" for f, text in pairs]
+  start = time.monotonic()
+  code, lines = main_in_process(
+    "--mode=eval",
+    "--config=experiments/sysgen.py:tiny",
+    f"--workdir={root / 'empty'}",
+    f"--config.data.data_dir={config['data']['data_dir']}",
+    *flags,
+  )
+  _one_line_or_ok(code, lines, flags, time.monotonic() - start, 60)
+
+
+@_settings(30)  # 300: -m slow
+@given(_typed_overrides)
+def test_a_value_of_another_type_on_the_command_line_is_one_line(prepared, pairs):
+  """Up to `--mode=eval`'s search for a checkpoint (an empty workdir): the
+  data, the model's shapes, all read with the value."""
+  _check_typed(prepared, pairs)
+
+
+@pytest.mark.slow
+@_settings(300)
+@given(_typed_overrides)
+def test_values_of_other_types_many(prepared, pairs):
+  _check_typed(prepared, pairs)
+
+
+# Sizes no machine holds, zero or negative, for the fields that size arrays:
+# training refuses them before it compiles (validation, the data's own
+# checks, footprint.py), in one line.
+_SIZED = {
+  "sysgen.py:tiny": (
+    "train.batch_size",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_layers",
+    "model.num_loops",
+    "model.mlp_ratio",
+    "data.num_entities",
+    "data.num_relations",
+    "data.out_degree",
+  ),
+  "lm.py:tiny": (
+    "data.seq_len",
+    "data.vocab_size",
+    "train.batch_size",
+    "model.d_model",
+    "model.num_loops",
+    "model.mlp_hidden",
+    "model.num_prelude",
+  ),
+  "extrapolation.py:tiny": ("data.max_hops", "data.train_per_hop", "data.pad_to"),
+}
+_SIZES = st.sampled_from([0, -1, -(2**31), 2**31, 2**40, 2**63 - 1, 2**63, 10**30])
+_ZERO_IS_OFF = {"model.mlp_hidden", "model.num_prelude", "data.pad_to"}  # a run
+_sized = st.sampled_from(
+  [(e, f) for e, fields in sorted(_SIZED.items()) for f in fields]
+).flatmap(
+  lambda ef: st.tuples(
+    st.just(ef[0]),
+    st.just(ef[1]),
+    _SIZES.filter(lambda v: v != 0) if ef[1] in _ZERO_IS_OFF else _SIZES,
+  )
+)
+
+
+@pytest.fixture(scope="module")
+def lm_run(tmp_path_factory):
+  """A text corpus, its tokenizer trained once, and a workdir of the `tiny`
+  language model that records them (config.json, tokenizer.json) with no
+  checkpoint: what `python -m loopjax.sample` reads before the weights."""
+  from conftest import write_corpus
+
+  from experiments import lm
+  from loopjax import task as task_lib
+
+  root = tmp_path_factory.mktemp("lm")
+  c = lm.get_config("tiny")
+  c.data.source = f"text:{write_corpus(root / 'corpus')}/*.py"
+  c.data.data_dir, c.data.valid_fraction = str(root / "data"), 0.2
+  task = task_lib.for_config(c).load(c)
+  (root / "run").mkdir()
+  (root / "run" / "config.json").write_text(config_lib.to_json(c))
+  (root / "run" / "tokenizer.json").write_text(task.tokenizer_json)
+  return root / "run", c
+
+
+def _check_size(prepared, lm_run, experiment, field, value):
+  root, config = prepared
+  data_dir = config["data"]["data_dir"]
+  extra = [f"--config.data.data_dir={data_dir}"]
+  if experiment.startswith("lm"):
+    c = lm_run[1]
+    extra = [
+      f"--config.data.data_dir={c.data.data_dir}",
+      f"--config.data.source={c.data.source}",
+      "--config.data.valid_fraction=0.2",
+    ]
+  case = root / f"size{len(list(root.glob('size*')))}"
+  start = time.monotonic()
+  code, lines = main_in_process(
+    f"--config=experiments/{experiment}",
+    f"--workdir={case}",
+    "--config.train.num_steps=1",
+    *extra,
+    f"--config.{field}={value}",
+  )
+  assert code == 2, (experiment, field, value, code, lines)  # none of them fits
+  _one_line_or_ok(code, lines, (field, value), time.monotonic() - start, 30)
+
+
+@_settings(24)  # 120: -m slow
+@given(_sized)
+def test_sizes_past_any_machine_are_one_line_before_compiling(prepared, lm_run, case):
+  _check_size(prepared, lm_run, *case)
+
+
+@pytest.mark.slow
+@_settings(120)
+@given(_sized)
+def test_sizes_past_any_machine_many(prepared, lm_run, case):
+  _check_size(prepared, lm_run, *case)
+
+
+# `python -m loopjax.sample`'s numbers, up to the weights (the run has none):
+# too many tokens for the model's positions is one line; so is any other.
+_sample_args = st.fixed_dictionaries(
+  {},
+  optional={
+    "max_new_tokens": _SIZES | st.integers(1, 200),
+    "num_loops": _SIZES | st.integers(1, 8),
+    "top_k": _SIZES,
+    "temperature": st.sampled_from(["0", "-1", "1e308", "nan", "inf"]),
+    "prompt": st.text(max_size=3).map(lambda t: t * 100),
+  },
+)
+
+
+def _check_sample(lm_run, args):
+  flags = [f"--{k}={v}" for k, v in args.items()]
+  start = time.monotonic()
+  code, lines = main_in_process(f"--workdir={lm_run[0]}", *flags, entry="sample")
+  assert code == 2, (flags, code, lines)  # at most: no checkpoint to sample
+  _one_line_or_ok(code, lines, flags, time.monotonic() - start, 30)
+
+
+@_settings(20)  # 150: -m slow
+@given(_sample_args)
+def test_sample_counts_are_one_line(lm_run, args):
+  _check_sample(lm_run, args)
+
+
+@pytest.mark.slow
+@_settings(150)
+@given(_sample_args)
+def test_sample_counts_many(lm_run, args):
+  _check_sample(lm_run, args)

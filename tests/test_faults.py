@@ -4,6 +4,7 @@ Each test breaks a run the way real machines do and checks that nothing saved is
 lost and the run resumes from the newest good checkpoint.
 """
 
+import contextlib
 import json
 import random
 import re
@@ -14,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_ENV, cli, losses, run, steps_on_disk
+from conftest import CPU_ENV, cli, losses, main_in_process, run, steps_on_disk
 
 from loopjax import checkpoint, metrics, train
 from loopjax.errors import ConfigError
@@ -374,6 +375,53 @@ def test_unusable_paths_fail_in_one_line(tmp_path, flag, message):
   assert lines[0].startswith("error: " + message.format(f=blocker)), lines
   assert "Traceback" not in proc.stderr
   assert not (tmp_path / "run").exists()  # nothing created
+
+
+@contextlib.contextmanager
+def _immutable(path):
+  """`path` made read-only for root too (ext4's immutable attribute: no entry
+  added or removed); skips where the file system or the tool has none."""
+  if shutil.which("chattr") is None:
+    pytest.skip("no chattr")
+  made = subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+  if made.returncode:
+    pytest.skip(f"chattr +i: {made.stderr.decode().strip()}")
+  try:
+    yield
+  finally:
+    subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+# What each mode writes under the workdir: eval/step_N.json, analysis/, and
+# plots/ with results.md beside them.
+_WRITES = {"eval": "eval", "analyze": "analysis", "report": "plots"}
+
+
+@pytest.mark.parametrize("how", ["read_only", "a_file_in_the_way"])
+@pytest.mark.parametrize("mode", list(_WRITES))
+def test_a_workdir_that_cannot_be_written_is_one_line_before_the_work(
+  straight, tmp_path, mode, how
+):
+  """--mode=eval, analyze and report into a workdir they cannot write: one
+  line naming it, exit 2, before a checkpoint is read or a figure drawn. Read
+  only: the workdir made immutable (root writes anywhere else); a file in the
+  way: where the mode's folder goes, a file (so it cannot be made)."""
+  _, done = straight
+  workdir = tmp_path / "run"
+  shutil.copytree(done, workdir, ignore=shutil.ignore_patterns(*_WRITES.values()))
+  folder = workdir / _WRITES[mode]
+  if how == "a_file_in_the_way":
+    folder.write_text("")
+    context, says = contextlib.nullcontext(), f"in {folder} (a file is in the way)"
+  else:
+    context = _immutable(workdir)
+    says = "there" if mode == "report" else f"in {folder}"
+    says += " (Operation not permitted)"
+  start = time.monotonic()
+  with context:
+    code, lines = main_in_process(f"--mode={mode}", f"--workdir={workdir}")
+  assert (code, lines) == (2, [f"error: --workdir={workdir}: cannot write {says}"])
+  assert time.monotonic() - start < 15  # nothing restored or analyzed first
 
 
 @pytest.mark.parametrize("mode", ["train", "eval"])

@@ -90,10 +90,14 @@ def test_grouped_query_attention(T):
   )
 
 
-def test_blocked_attention_and_its_gradient_equal_the_explicit_softmax():
+@pytest.mark.parametrize("max_blocks", [16, 2])
+def test_blocked_attention_and_its_gradient_equal_the_explicit_softmax(
+  monkeypatch, max_blocks
+):
   """Grouped heads (4 query, 2 key), two documents, 150 positions: three
-  query blocks, one partial; its own backward against autodiff of the
-  weights written out."""
+  query blocks, one partial (or, at most 2 blocks, a longer one of 128 and
+  the rest); its own backward against autodiff of the weights written out."""
+  monkeypatch.setattr(blocked_attention, "MAX_BLOCKS", max_blocks)
   B, T, N, K, H = 2, 150, 4, 2, 8
   rng = np.random.default_rng(3)
   q, k, v, w = (
@@ -110,9 +114,10 @@ def test_blocked_attention_and_its_gradient_equal_the_explicit_softmax():
     return jnp.einsum("bnts,bsnh->btnh", p, v)
 
   def blocked(q, k, v):
-    return blocked_attention.causal_attention(q, k, v, same)
+    return blocked_attention.causal_attention(q, k, v, jnp.asarray(seg))
 
-  assert T > 2 * blocked_attention.BLOCK and T % blocked_attention.BLOCK
+  assert len(blocked_attention.blocks(T)) == min(3, max_blocks)
+  assert T % blocked_attention.block_len(T)
   np.testing.assert_allclose(blocked(q, k, v), explicit(q, k, v), atol=1e-5)
   ga, gb = (
     jax.grad(lambda *a, f=f: (f(*a) * w).sum(), (0, 1, 2))(q, k, v)

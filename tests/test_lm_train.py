@@ -51,15 +51,29 @@ def test_a_changed_corpus_is_refused_by_its_workdir(lm_config, tmp_path):
 def test_a_step_that_cannot_fit_is_refused_before_anything_compiles(
   lm_config, tmp_path
 ):
-  """2^27 windows of 32 tokens: their (B, T, T) document mask alone is 128 GiB,
-  more than any machine this runs on; refused in one line, nothing written."""
+  """2^27 windows of 32 tokens: the blocked attention's scores (their
+  weights' and both cotangents, 2 heads, 32 x 32 per row) alone are 3 TiB,
+  more than any machine this runs on; refused in one line, nothing written.
+  So are 2^31 iterations of the state, and a huge model's state."""
   lm_config.train.batch_size = 2**27
   with pytest.raises(ConfigError) as e:
     train.train_and_evaluate(lm_config, tmp_path / "run")
   assert str(e.value).startswith(
-    "train.batch_size, data.seq_len: a step needs at least 128.0 GiB per device "
-    "(document mask (B, T, T): 128.0 GiB; batch 134217728, 32 tokens) and "
-  )
+    "train.batch_size, data.seq_len: a step needs at least 4096.0 GiB per device "
+    "(attention scores of every block (3 x B, N, ~T^2 / 2): 3072.0 GiB; batch "
+    "134217728, 32 tokens) and "
+  ), str(e.value)
+  assert not (tmp_path / "run").exists()
+  lm_config.train.batch_size = 8
+  lm_config.model.num_loops = 2**31  # (B 8, T 32, D 32) float32 each: 64 TiB
+  with pytest.raises(ConfigError) as e:
+    train.train_and_evaluate(lm_config, tmp_path / "run")
+  assert str(e.value).startswith(
+    "model.num_loops (or train.depth.max), train.batch_size, data.seq_len: a "
+    "step needs at least 65536.0 GiB per device (each iteration's state (R "
+    "2147483648, B, T, D): 65536.0 GiB;"
+  ), str(e.value)
+  lm_config.model.num_loops = 2
   assert not (tmp_path / "run").exists()
   lm_config.train.batch_size = 8
   lm_config.model.d_model = 2**17  # 2 TB of state: the model's fields are named

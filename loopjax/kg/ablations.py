@@ -16,6 +16,7 @@ from loopjax.analysis import mechanistic_figures
 from loopjax.analysis.mechanistic_figures import main_result
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.metrics import read_jsonl, wall_times
+from loopjax.workdir import run_config
 
 COLUMNS = (
   "run",
@@ -38,8 +39,8 @@ def _load(run: Path, name: str) -> dict | None:
 
 def row(run: Path) -> dict:
   """The numbers of one run (None where an analysis is missing)."""
-  model = json.loads((run / "config.json").read_text())["model"]
-  R, L = model["num_loops"], model["num_layers"]
+  model = run_config(run).model
+  R, L = model.num_loops, model.num_layers
   out = {"run": run.name, "L": L, "R": R}
   walls = wall_times(read_jsonl(run / "metrics.jsonl"))
   out["wall_s"] = max(walls.values(), default=None)

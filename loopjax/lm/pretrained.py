@@ -48,7 +48,7 @@ def prepare(config, workdir):
       rule.check(cfg, "analyze.halting.criteria", opened.name)
   wd = Workdir(workdir)
   wd.check(config)
-  wd.check_writable()
+  wd.check_writable("", "analysis")
   return opened, task, prompts
 
 

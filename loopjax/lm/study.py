@@ -20,6 +20,7 @@ import numpy as np
 from loopjax.analysis import mechanistic_figures
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.metrics import read_jsonl, wall_times
+from loopjax.workdir import run_config
 
 COLUMNS = (
   "run",
@@ -43,8 +44,7 @@ COLUMNS = (
 
 def is_lm(run: Path) -> bool:
   """Whether the run is a language model's (a run without config.json is not)."""
-  path = run / "config.json"
-  return path.exists() and json.loads(path.read_text())["data"]["task"] == "lm"
+  return (run / "config.json").exists() and run_config(run).data.task == "lm"
 
 
 def _analysis(run: Path, name: str) -> dict | None:
@@ -59,20 +59,17 @@ def losses(run: Path) -> dict[int, float]:
   ]
   if not records:
     return {}
-  last, R = (
-    records[-1],
-    json.loads((run / "config.json").read_text())["model"]["num_loops"],
-  )
+  last, R = records[-1], run_config(run).model.num_loops
   out = {R: last["eval/validation/loss"]}
   out |= {int(k.split("@")[1]): v for k, v in last.items() if "validation/loss@" in k}
   return dict(sorted(out.items()))
 
 
 def row(run: Path) -> dict:
-  cfg = json.loads((run / "config.json").read_text())["model"]
-  R, L = cfg["num_loops"], cfg["num_layers"]
-  out = {"run": run.name, "L": L, "R": R, "injection": cfg["injection"]}
-  out["norm"] = cfg["norm_position"]
+  cfg = run_config(run).model
+  R, L = cfg.num_loops, cfg.num_layers
+  out = {"run": run.name, "L": L, "R": R, "injection": cfg.injection}
+  out["norm"] = cfg.norm_position
   out["loss"] = losses(run)
   out["wall_s"] = max(
     wall_times(read_jsonl(run / "metrics.jsonl")).values(), default=None

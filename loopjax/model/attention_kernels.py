@@ -75,13 +75,11 @@ def causal_attention(q_BTNH, k_BSKH, v_BSKH, segments_BT=None, kernel="auto"):
   platform = sharding.platform()
   T = q_BTNH.shape[1]
   name = choose(kernel, platform, T, segments_BT is not None, q_BTNH.dtype)
-  if name in ("xla", "blocked"):
-    same_BTS = (
-      None if segments_BT is None else segments_BT[:, :, None] == segments_BT[:, None]
-    )
-    if name == "blocked":
-      return blocked_attention.causal_attention(q_BTNH, k_BSKH, v_BSKH, same_BTS)
-    mask = None if same_BTS is None else same_BTS[:, None]
+  if name == "blocked":  # segment ids compared per block: no (T, T) mask
+    return blocked_attention.causal_attention(q_BTNH, k_BSKH, v_BSKH, segments_BT)
+  if name == "xla":
+    seg = segments_BT
+    mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None]
     return jax.nn.dot_product_attention(
       q_BTNH, k_BSKH, v_BSKH, mask=mask, is_causal=True
     )
