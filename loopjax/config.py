@@ -296,10 +296,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
     )
   depths = c.eval.depths
   if not isinstance(depths, tuple | list) or not all(
-    isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in depths
+    isinstance(r, int)
+    and not isinstance(r, bool)
+    and 1 <= r <= field_rules.MAX_ITERATIONS
+    for r in depths
   ):
     raise ConfigError(
-      f"eval.depths: a tuple of integers >= 1, e.g. '(4,8,16)'; got {depths!r}"
+      f"eval.depths: a tuple of integers in [1, {field_rules.MAX_ITERATIONS}], "
+      f"e.g. '(4,8,16)'; got {depths!r}"
     )
   _validate_mesh(c)
 

@@ -43,8 +43,17 @@ def llama3_ok(v) -> bool:
   return factor >= 1 and 0 < low < high and context >= 1
 
 
+# An iteration count (R, an evaluation or analysis depth, a halting rule's
+# ceiling): 32x MECH's 128-iteration horizon. Each iteration runs the core once
+# more, so a count in the billions runs until killed instead of failing.
+MAX_ITERATIONS = 4096
+
 # Simple bounds, one table: field -> (holds for a good value, what is allowed).
 _AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+_ITERATIONS = (
+  lambda v: 1 <= v <= MAX_ITERATIONS,
+  f"must be in [1, {MAX_ITERATIONS}] (field_rules.MAX_ITERATIONS)",
+)
 _AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
 _UNIT = (lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
 _HALF_OPEN_UNIT = (lambda v: 0.0 <= v < 1.0, "must be in [0, 1)")
@@ -61,7 +70,6 @@ BOUNDS = {
       "model.mlp_ratio",
       "model.scan_unroll",
       "model.num_layers",
-      "model.num_loops",
       "train.batch_size",
       "train.num_steps",
       "train.grokfast.window",
@@ -69,14 +77,21 @@ BOUNDS = {
       "checkpoint.every",
       "checkpoint.keep",
       "log_every",
-      "analyze.max_depth",
       "analyze.batch_size",
       "analyze.lm_windows",
       "analyze.answer_tokens",
       "analyze.halting.r_min",
-      "analyze.halting.r_max",
     ),
     _AT_LEAST_1,
+  ),
+  **dict.fromkeys(
+    (
+      "model.num_loops",
+      "train.depth.max",
+      "analyze.max_depth",
+      "analyze.halting.r_max",
+    ),
+    _ITERATIONS,
   ),
   **dict.fromkeys(
     (

@@ -48,27 +48,31 @@ def params(m, vocab: int) -> int:
   return vocab * m.d_model + blocks * 2 * m.d_model * (m.d_model + hidden)
 
 
-def lower_bound(config, family, task, mesh) -> dict[str, float]:
+def lower_bound(config, family, task, mesh, evaluation=False) -> dict[str, float]:
   """{term: bytes per device} of a step's memory that no schedule avoids
-  (the blocked kernel's: what XLA:CPU's schedule holds)."""
+  (the blocked kernel's: what XLA:CPU's schedule holds). `evaluation`: an
+  in-loop evaluation's batch, forward only, beside the train state it
+  shares the devices with."""
   m = config.model
   V, T = task.model_dims()
   platform = mesh.devices.flat[0].platform
   packed = family.packs_documents and m.document_mask
   kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
-  rows = config.train.batch_size / sharding.batch_split(mesh, config.sharding.rules)
+  B = config.eval.batch_size if evaluation else config.train.batch_size
+  rows = B / sharding.batch_split(mesh, config.sharding.rules)
   out = {STATE: 16 * params(m, V) / mesh.devices.size}
   depth = config.train.depth
   R = m.num_loops if depth.dist == "fixed" else depth.max
   width = jnp.dtype(m.dtype).itemsize
-  out[f"{ITERATIONS} (R {R}, B, T, D)"] = R * rows * T * m.d_model * width
+  if not evaluation:  # kept for the backward pass
+    out[f"{ITERATIONS} (R {R}, B, T, D)"] = R * rows * T * m.d_model * width
   if packed and kernel == "xla":
     out["document mask (B, T, T)"] = rows * T * T
   if kernel == "xla" and platform != "cpu":
     out["attention logits (B, N, T, T)"] = 4 * rows * m.num_heads * T * T
   if kernel == "blocked":  # XLA:CPU runs the unrolled blocks side by side
     scores = sum((e - s) * e for s, e in blocked_attention.blocks(T))
-    out[BLOCKED] = 12 * rows * m.num_heads * scores
+    out[BLOCKED] = (4 if evaluation else 12) * rows * m.num_heads * scores
   return out
 
 
@@ -85,24 +89,32 @@ def capacity(mesh) -> tuple[int, str]:
 
 
 def check(config, family, task, mesh) -> None:
-  """Raises ConfigError when the lower bound exceeds the devices' memory."""
+  """Raises ConfigError when the lower bound of a step, or of the in-loop
+  evaluation's batch (eval_every > 0), exceeds the devices' memory."""
   have, what = capacity(mesh)
-  terms = lower_bound(config, family, task, mesh)
-  need = sum(terms.values())
-  if need > have:
+  for evaluation in (False, True) if config.eval_every else (False,):
+    terms = lower_bound(config, family, task, mesh, evaluation)
+    need = sum(terms.values())
+    if need <= have:
+      continue
     big = max(terms, key=terms.get)
+    batch, B = (
+      ("eval.batch_size", config.eval.batch_size)
+      if evaluation
+      else ("train.batch_size", config.train.batch_size)
+    )
     fields = (  # the state's shard grows with the model, not the batch
       "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
       if big == STATE
-      else "model.num_loops (or train.depth.max), train.batch_size, data.seq_len"
+      else f"model.num_loops (or train.depth.max), {batch}, data.seq_len"
       if big.startswith(ITERATIONS)
-      else "train.batch_size, data.seq_len"
+      else f"{batch}, data.seq_len"
     )
     raise ConfigError(
-      f"{fields}: a step needs at least {need / GIB:.1f} "
-      f"GiB per device ({big}: {terms[big] / GIB:.1f} GiB; batch "
-      f"{config.train.batch_size}, {task.model_dims()[1]} tokens) and "
-      f"{what} is {have / GIB:.1f} GiB"
+      f"{fields}: {'an evaluation' if evaluation else 'a step'} needs at least "
+      f"{need / GIB:.1f} GiB per device ({big}: {terms[big] / GIB:.1f} GiB; "
+      f"batch {B}, {task.model_dims()[1]} tokens) and {what} is "
+      f"{have / GIB:.1f} GiB"
     )
 
 

@@ -13,6 +13,7 @@ from absl import flags
 
 from loopjax import cli
 from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax.field_rules import MAX_ITERATIONS
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("tasks", [], "lm-evaluation-harness task names.")
@@ -33,9 +34,9 @@ def _recurrences() -> tuple[int, ...]:
     loops = tuple(int(r) for r in FLAGS.num_loops)
   except ValueError:
     loops = (0,)
-  if any(r < 1 for r in loops):
+  if any(not 1 <= r <= MAX_ITERATIONS for r in loops):
     raise ConfigError(
-      f"--num_loops: a comma-separated list of integers >= 1; got "
+      f"--num_loops: a comma-separated list of integers in [1, {MAX_ITERATIONS}]; got "
       f"{','.join(FLAGS.num_loops)}"
     )
   return loops

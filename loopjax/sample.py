@@ -10,6 +10,7 @@ from absl import flags
 
 from loopjax import cli
 from loopjax.errors import ConfigError, exit_with
+from loopjax.field_rules import MAX_ITERATIONS
 from loopjax.workdir import Workdir
 
 FLAGS = flags.FLAGS
@@ -20,7 +21,11 @@ flags.DEFINE_integer(
   "top_k", 40, "Sample among the k likeliest (0: all).", lower_bound=0
 )
 flags.DEFINE_integer(
-  "num_loops", None, "Recurrences (default: the trained R).", lower_bound=1
+  "num_loops",
+  None,
+  "Recurrences (default: the trained R).",
+  lower_bound=1,
+  upper_bound=MAX_ITERATIONS,
 )
 flags.DEFINE_integer("seed", 0, "The sampling key's seed.")
 

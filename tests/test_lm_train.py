@@ -75,6 +75,14 @@ def test_a_step_that_cannot_fit_is_refused_before_anything_compiles(
   ), str(e.value)
   lm_config.model.num_loops = 2
   assert not (tmp_path / "run").exists()
+  lm_config.eval.batch_size = 2**27  # the in-loop evaluation's batch: 1 TiB
+  with pytest.raises(ConfigError) as e:
+    train.train_and_evaluate(lm_config, tmp_path / "run")
+  assert str(e.value).startswith(
+    "eval.batch_size, data.seq_len: an evaluation needs at least 1024.0 GiB "
+  ), str(e.value)
+  lm_config.eval.batch_size = 8
+  assert not (tmp_path / "run").exists()
   lm_config.train.batch_size = 8
   lm_config.model.d_model = 2**17  # 2 TB of state: the model's fields are named
   with pytest.raises(ConfigError) as e:

@@ -34,7 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from loopjax.errors import ConfigError, exit_with, first_line
-from loopjax.field_rules import ENUMS
+from loopjax.field_rules import ENUMS, MAX_ITERATIONS
 from loopjax.halting import Rule
 from loopjax.lm import scoring
 
@@ -68,6 +68,11 @@ def _checked(args: dict) -> dict:
            "r_min": 1, "step": 0, "seed": 0}  # fmt: skip
   for name, n in least.items():
     _count(name, args[name], n)
+  if (args["num_loops"] or 1) > MAX_ITERATIONS:
+    raise ConfigError(
+      f"model_args: num_loops must be <= {MAX_ITERATIONS} "
+      f"(field_rules.MAX_ITERATIONS); got {args['num_loops']}"
+    )
   if args["dtype"] not in ENUMS["model.dtype"]:
     raise ConfigError(
       f"model_args: dtype must be one of {', '.join(ENUMS['model.dtype'])}; "
