@@ -93,9 +93,12 @@ def main(argv):
     follows = FLAGS.follow and FLAGS.config is None
     config = None if follows else cli.config(workdir, FLAGS.mode == "train")
     cli.initialize_processes()
-    if FLAGS.mode != "train" and jax.process_count() > 1:
+    if (FLAGS.mode not in ("train", "eval") or FLAGS.follow) and (
+      jax.process_count() > 1
+    ):
       raise ConfigError(
-        f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
+        f"--mode={FLAGS.mode}{' --follow' * FLAGS.follow} runs in one process "
+        "(train and eval run on several); leave out the multi-process flags"
       )
     _run(config, workdir)
   except ConfigError as e:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import CPU_ENV, cli, steps_on_disk
+from conftest import CPU_ENV, cli, run, steps_on_disk
 
 from launch import local
 from loopjax import metrics
@@ -188,3 +188,36 @@ def test_processes_feed_their_rows_of_a_mesh_that_is_not_host_major(tmp_path):
     assert (fed_by == owner).all()
     assert len(set(examples)) == 16
   assert len(set(seen[:, 0].ravel())) == 96  # 6 steps x 16: the whole epoch
+
+
+def _same_report(got: dict, want: dict) -> None:
+  """Equal keys and values; floats to 1e-6 (the order of a sum may differ)."""
+  assert got.keys() == want.keys()
+  for k, w in want.items():
+    if isinstance(w, dict):
+      _same_report(got[k], w)
+    elif isinstance(w, float):
+      assert abs(got[k] - w) <= 1e-6 * max(1.0, abs(w)), (k, got[k], w)
+    else:
+      assert got[k] == w, (k, got[k], w)
+
+
+@pytest.mark.slow
+def test_eval_on_two_processes_reports_what_one_process_does(tmp_path):
+  """A checkpoint trained in one process, evaluated by 2 processes x 4 devices
+  (params split over fsdp and tensor, batches over data and fsdp): the same
+  eval/step_N.json as one process on one device, written by process 0 alone."""
+  workdir, data_dir = tmp_path / "run", tmp_path / "data"
+  trained = run(cli(workdir, data_dir, "--config.train.num_steps=10"))
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  one = run(cli(workdir, data_dir, "--mode=eval"))
+  assert one.returncode == 0, one.stderr[-3000:]
+  report = workdir / "eval" / "step_10.json"
+  want = json.loads(report.read_text())
+  report.unlink()
+  mesh = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  two = _launch(workdir, data_dir, 10, "--mode=eval", *mesh, devices=4)
+  assert two.returncode == 0, two.stdout[-3000:]
+  _same_report(json.loads(report.read_text()), want)
+  assert f"[0] wrote {report}" in two.stdout and "[1] wrote" not in two.stdout
+  assert sorted(p.name for p in report.parent.iterdir()) == ["step_10.json"]
