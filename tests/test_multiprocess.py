@@ -190,16 +190,20 @@ def test_processes_feed_their_rows_of_a_mesh_that_is_not_host_major(tmp_path):
   assert len(set(seen[:, 0].ravel())) == 96  # 6 steps x 16: the whole epoch
 
 
-def _same_report(got: dict, want: dict) -> None:
-  """Equal keys and values; floats to 1e-6 (the order of a sum may differ)."""
-  assert got.keys() == want.keys()
-  for k, w in want.items():
-    if isinstance(w, dict):
-      _same_report(got[k], w)
-    elif isinstance(w, float):
-      assert abs(got[k] - w) <= 1e-6 * max(1.0, abs(w)), (k, got[k], w)
-    else:
-      assert got[k] == w, (k, got[k], w)
+def _same_report(got, want, at="") -> None:
+  """Equal JSON; floats to 1e-6 (the order of a sum may differ)."""
+  if isinstance(want, dict):
+    assert got.keys() == want.keys(), at
+    for k in want:
+      _same_report(got[k], want[k], f"{at}.{k}")
+  elif isinstance(want, list):
+    assert len(got) == len(want), at
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+      _same_report(g, w, f"{at}[{i}]")
+  elif isinstance(want, float):
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (at, got, want)
+  else:
+    assert got == want, (at, got, want)
 
 
 @pytest.mark.slow
@@ -221,3 +225,37 @@ def test_eval_on_two_processes_reports_what_one_process_does(tmp_path):
   _same_report(json.loads(report.read_text()), want)
   assert f"[0] wrote {report}" in two.stdout and "[1] wrote" not in two.stdout
   assert sorted(p.name for p in report.parent.iterdir()) == ["step_10.json"]
+
+
+def _same_table(got: str, want: str) -> None:
+  """Equal markdown but for the tiny numbers (scientific notation: distances
+  between iterates), which differ by float32 reduction order at ~1e-7."""
+  tiny = r"(-?\d\.\de[-+]\d+)"
+  got_parts, want_parts = re.split(tiny, got), re.split(tiny, want)
+  assert got_parts[::2] == want_parts[::2]
+  for g, w in zip(got_parts[1::2], want_parts[1::2], strict=True):
+    assert abs(float(g) - float(w)) <= 1e-6 + 0.01 * abs(float(w)), (g, w)
+
+
+@pytest.mark.slow
+def test_analyze_on_two_processes_writes_what_one_process_does(tmp_path):
+  """--mode=analyze of a checkpoint by 2 processes x 4 devices: every analysis
+  file one process writes, the same numbers (json) and tables (md)."""
+  workdir, data_dir = tmp_path / "run", tmp_path / "data"
+  trained = run(cli(workdir, data_dir, "--config.train.num_steps=10"))
+  assert trained.returncode == 0, trained.stderr[-3000:]
+  one = run(cli(workdir, data_dir, "--mode=analyze"))
+  assert one.returncode == 0, one.stderr[-3000:]
+  (workdir / "analysis").rename(tmp_path / "one")
+  mesh = ["--config.mesh.fsdp=2", "--config.mesh.tensor=2"]
+  two = _launch(workdir, data_dir, 10, "--mode=analyze", *mesh, devices=4)
+  assert two.returncode == 0, two.stdout[-3000:]
+  assert "[0] wrote" in two.stdout and "[1] wrote" not in two.stdout
+  want, got = tmp_path / "one", workdir / "analysis"
+  assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+  for path in want.glob("*.json"):
+    _same_report(
+      json.loads((got / path.name).read_text()), json.loads(path.read_text())
+    )
+  for path in want.glob("*.md"):
+    _same_table((got / path.name).read_text(), path.read_text())
