@@ -300,6 +300,12 @@ def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
   )
 
 
+def mesh_of(params) -> jax.sharding.Mesh | None:
+  """The mesh `params` are placed on, or None (one device, uncommitted)."""
+  placed = jax.tree.leaves(params)[0].sharding
+  return placed.mesh if isinstance(placed, NamedSharding) else None
+
+
 class Feed(NamedTuple):
   """How batches every process holds whole (evaluations, analyses) reach a
   model on `mesh`: split over the `batch` rule's axes, so each device reads
@@ -311,9 +317,7 @@ class Feed(NamedTuple):
   @classmethod
   def like(cls, params, rules) -> "Feed":
     """The feed of a model whose `params` are placed (`restore.Reader`)."""
-    placed = jax.tree.leaves(params)[0].sharding
-    mesh = placed.mesh if isinstance(placed, NamedSharding) else None
-    return cls(mesh, tuple(rules))
+    return cls(mesh_of(params), tuple(rules))
 
   def size(self, batch_size: int, rows: int | None = None) -> int:
     """A batch's rows: `eval_batch`'s."""
@@ -329,16 +333,12 @@ def host(tree):
   """`tree` on the host, whole, in every process: an array split over other
   processes' devices is gathered first (`jax.device_get` reads only this
   process's shards)."""
-  return jax.device_get(
-    jax.tree.map(
-      lambda x: (
-        multihost_utils.process_allgather(x, tiled=True)
-        if isinstance(x, jax.Array) and not x.is_fully_addressable
-        else x
-      ),
-      tree,
-    )
-  )
+
+  def whole(x):
+    split = isinstance(x, jax.Array) and not x.is_fully_addressable
+    return multihost_utils.process_allgather(x, tiled=True) if split else x
+
+  return jax.device_get(jax.tree.map(whole, tree))
 
 
 class Placement(NamedTuple):

@@ -56,7 +56,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
     traced = trace_all(config, traced_step(config, pad, shared), model, probes, pad)
   asked = config.analyze.lens_phases and phases
   phased = [n for n in shared if records[n].phases] if asked else []
-  mesh = sharding.Feed.like(model.params, ()).mesh  # the phases' go there too
+  mesh = sharding.mesh_of(model.params)  # the phases' checkpoints go there too
   by_phase = lens_phases(config, workdir, task, probes, phased, mesh) if phased else []
   written = []
   for name, record in records.items():
