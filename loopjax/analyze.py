@@ -1,20 +1,24 @@
 """`--mode=analyze`: the analyses `analyze.names` picks (by default the task
 family's), on one checkpoint, written under `workdir/analysis` as .json, .md
 and .png (an earlier checkpoint's, `--step=N`, under `analysis/step_N`, so
-the newest's stay). Nothing here trains or moves a checkpoint."""
+the newest's stay). Nothing here trains or moves a checkpoint. The checkpoint
+is restored onto the run's mesh (all devices of all processes, sharded as
+training places it), the analyses' batches split over it; process 0 writes."""
 
 from pathlib import Path
 
-from loopjax import restore
+from loopjax import restore, sharding
 from loopjax import task as task_lib
 from loopjax.workdir import Workdir
 
 
 def analyze(config, workdir, step: int | None = None) -> list[Path]:
-  """The analyses of the checkpoint at `step` (default: the newest good one)."""
+  """The analyses of the checkpoint at `step` (default: the newest good one);
+  the paths written (none but in process 0)."""
   workdir, asked = Path(workdir), step
   Workdir(workdir).check_writable("analysis")  # before the work, not after it
-  task, model, step = restore.from_checkpoint(config, workdir, step)
+  mesh = sharding.make_mesh(config.mesh)
+  task, model, step = restore.from_checkpoint(config, workdir, step, mesh=mesh)
   family = task_lib.for_config(config)
   out = workdir / "analysis" if asked is None else workdir / "analysis" / f"step_{step}"
   return family.analyze(config, workdir, task, model, step, out)

@@ -1,11 +1,15 @@
 """`--mode=eval`: a checkpoint's accuracy or loss at every `eval.depths`,
 written to `eval/step_<N>.json` and printed as a table. The family's
-evaluator does the work (kg/evaluate.py, lm/evaluate.py)."""
+evaluator does the work (kg/evaluate.py, lm/evaluate.py), on the run's mesh:
+all devices of all processes, the params sharded as training places them,
+each batch split over the devices; process 0 writes and prints."""
 
 import json
 from pathlib import Path
 
-from loopjax import restore
+import jax
+
+from loopjax import restore, sharding
 from loopjax import task as task_lib
 from loopjax.workdir import Workdir, write_atomic
 
@@ -32,10 +36,15 @@ def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """Restores a checkpoint (default: the newest good one), writes
   `eval/step_<N>.json` and prints its table."""
   Workdir(workdir).check_writable("eval")  # before the work, not after it
-  family = task_lib.for_config(config)
-  task, model, step = restore.from_checkpoint(config, workdir, step)
-  evaluator = family.evaluator(config, task, model.graphdef, config.eval.depths)
+  family, mesh = task_lib.for_config(config), sharding.make_mesh(config.mesh)
+  task, model, step = restore.from_checkpoint(config, workdir, step, mesh=mesh)
+  placed = jax.tree.map(lambda x: x.sharding, model.params)
+  evaluator = family.evaluator(
+    config, task, model.graphdef, config.eval.depths, mesh, placed
+  )
   report = results(config, task, evaluator.per_depth(model.params)[0], step)
+  if jax.process_index() != 0:  # the same report: one writer
+    return report
   out = write_results(workdir, report)
   title, depths, rows = family.eval_table(config, report)
   print(title)

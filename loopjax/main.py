@@ -42,6 +42,17 @@ def _checked_flags() -> None:
     exit_with("--step: not with --follow (it evaluates every checkpoint)")
 
 
+def _one_process_only(config) -> str | None:
+  """What of this command runs in one process only, if anything."""
+  from loopjax import restore
+
+  if FLAGS.follow:
+    return "--follow"
+  if config is not None and restore.pretrained(config):
+    return "model.hf_dir (a pretrained model)"
+  return None if FLAGS.mode in ("train", "eval", "analyze") else f"--mode={FLAGS.mode}"
+
+
 def _run(config, workdir) -> None:
   """The mode, on a validated config (None: --follow waits for the run's)."""
   from loopjax import analyze, evaluate, follow, restore, train
@@ -69,8 +80,8 @@ def _run(config, workdir) -> None:
     print("wrote " + ", ".join(map(str, pretrained.analyze(config, workdir))))
   else:
     Workdir(workdir).check(config)
-    paths = analyze.analyze(config, workdir, FLAGS.step)
-    print("wrote " + ", ".join(map(str, paths)))
+    if paths := analyze.analyze(config, workdir, FLAGS.step):  # process 0's
+      print("wrote " + ", ".join(map(str, paths)))
 
 
 def main(argv):
@@ -93,9 +104,10 @@ def main(argv):
     follows = FLAGS.follow and FLAGS.config is None
     config = None if follows else cli.config(workdir, FLAGS.mode == "train")
     cli.initialize_processes()
-    if FLAGS.mode != "train" and jax.process_count() > 1:
+    if jax.process_count() > 1 and (alone := _one_process_only(config)):
       raise ConfigError(
-        f"--mode={FLAGS.mode} runs in one process; leave out the multi-process flags"
+        f"{alone} runs in one process (train, eval and analyze of a run's "
+        "checkpoint run on several); leave out the multi-process flags"
       )
     _run(config, workdir)
   except ConfigError as e:

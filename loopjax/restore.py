@@ -3,9 +3,11 @@ checkpoint or from a pretrained directory (`model.hf_dir`). The one way every
 mode, the harness, generation, aot and the benchmarks open a model, and the
 one module that reads `model.hf_dir` (beside config validation).
 
-A checkpoint is read on one device, from abstract shapes (nothing is
-initialized), and never moved: a trainer may be writing beside it. A
-pretrained directory's params go straight into their shards on the run's mesh.
+A checkpoint is read from abstract shapes (nothing is initialized) and never
+moved: a trainer may be writing beside it. It lands on one device, or on a
+mesh given (all devices of all processes), sharded by the rules as training
+places it, so a model no one device holds still opens. A pretrained
+directory's params go straight into their shards on the run's mesh.
 
 A language model comes with how it reads text (`Text`); its prefix rule is
 written once, there.
@@ -49,13 +51,15 @@ def pretrained_config(path, config=None, **model):
 
 class Reader:
   """Restores a run's checkpoints, one after another (an evaluation job
-  follows them): the state's abstract shapes are built once."""
+  follows them): the state's abstract shapes are built once. `mesh`: where
+  the params go (default: this process's first device)."""
 
-  def __init__(self, config, workdir, task):
+  def __init__(self, config, workdir, task, mesh=None):
     self.config = config
-    mesh = sharding.make_mesh(
-      {"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1]
-    )
+    if mesh is None:
+      mesh = sharding.make_mesh(
+        {"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1]
+      )
     self.graphdef, self.abstract, _, _ = sharded_train_state(
       config, task, mesh, abstract=True
     )
@@ -86,11 +90,12 @@ class Reader:
     self.mngr.close()
 
 
-def from_checkpoint(config, workdir, step: int | None = None, task=None):
+def from_checkpoint(config, workdir, step: int | None = None, task=None, mesh=None):
   """(task data, model, step) of a run's checkpoint (default: the newest good
-  one); `task`: the run's data if already loaded (else read from the config)."""
+  one); `task`: the run's data if already loaded (else read from the config);
+  `mesh`: see `Reader`."""
   task = task_lib.for_config(config).load(config) if task is None else task
-  reader = Reader(config, workdir, task)
+  reader = Reader(config, workdir, task, mesh)
   try:
     model, step = reader.model(step)
   finally:

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 from flax import nnx
 from flax.core import spmd
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from loopjax.errors import ConfigError
@@ -297,6 +298,47 @@ def global_from_full(batch: dict, sharding: NamedSharding) -> dict:
     ),
     batch,
   )
+
+
+def mesh_of(params) -> jax.sharding.Mesh | None:
+  """The mesh `params` are placed on, or None (one device, uncommitted)."""
+  placed = jax.tree.leaves(params)[0].sharding
+  return placed.mesh if isinstance(placed, NamedSharding) else None
+
+
+class Feed(NamedTuple):
+  """How batches every process holds whole (evaluations, analyses) reach a
+  model on `mesh`: split over the `batch` rule's axes, so each device reads
+  its rows. `mesh` None: passed as they are (one device)."""
+
+  mesh: jax.sharding.Mesh | None
+  rules: tuple
+
+  @classmethod
+  def like(cls, params, rules) -> "Feed":
+    """The feed of a model whose `params` are placed (`restore.Reader`)."""
+    return cls(mesh_of(params), tuple(rules))
+
+  def size(self, batch_size: int, rows: int | None = None) -> int:
+    """A batch's rows: `eval_batch`'s."""
+    return eval_batch(self.mesh, self.rules, batch_size, rows)
+
+  def put(self, batch: dict) -> dict:
+    if self.mesh is None:
+      return batch
+    return global_from_full(batch, batch_sharding(self.mesh, self.rules))
+
+
+def host(tree):
+  """`tree` on the host, whole, in every process: an array split over other
+  processes' devices is gathered first (`jax.device_get` reads only this
+  process's shards)."""
+
+  def whole(x):
+    split = isinstance(x, jax.Array) and not x.is_fully_addressable
+    return multihost_utils.process_allgather(x, tiled=True) if split else x
+
+  return jax.device_get(jax.tree.map(whole, tree))
 
 
 class Placement(NamedTuple):

@@ -62,13 +62,13 @@ def steps_on_disk(workdir):
   )
 
 
-def cli(workdir, data_dir, *extra):
-  """The command line of a tiny run in `workdir`."""
+def cli(workdir, data_dir, *extra, config="experiments/sysgen.py:tiny"):
+  """The command line of a tiny run (`config`) in `workdir`."""
   return [
     sys.executable,
     "-m",
     "loopjax.main",
-    "--config=experiments/sysgen.py:tiny",
+    f"--config={config}",
     f"--workdir={workdir}",
     f"--config.data.data_dir={data_dir}",
     *extra,

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from loopjax import halting
+from loopjax import halting, sharding
 from loopjax.data import pipeline
 from loopjax.state import eval_key
 
@@ -19,16 +19,17 @@ def table(model, probes: dict, config, pad: int):
   """[{criterion, thresholds..., splits: {split: {acc, iterations}}}] over the
   `analyze.halting` grid; the initial state drawn as evaluations draw it."""
   cfg, key = config.analyze.halting, eval_key(config)
-  rows = []
+  feed, rows = sharding.Feed.like(model.params, config.sharding.rules), []
   for rule in halting.grid(cfg):
     splits = {}
     for name, split in probes.items():
       correct_N, iters_N = pipeline.map_batches(
         lambda b: _answers(model, b, key, rule, r_max=cfg.r_max),
         split,
-        config.eval.batch_size,
+        feed.size(config.eval.batch_size),
         pad,
         pad_to=config.data.pad_to,
+        put=feed.put,
       )
       splits[name] = {
         "acc": float(correct_N.mean()),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import halting
+from loopjax import halting, sharding
 
 
 def _nll(logp_BTV, targets_BT):
@@ -45,12 +45,10 @@ def table(model, batches: list, n: int, config, key) -> dict:
   """{"r_max", "tokens", "rows": [{criterion, thresholds, iterations,
   early, agree, loss, loss_full}]} over the first n rows of `batches`."""
   cfg = config.analyze.halting
-  mask = np.concatenate([b["mask"] for b in batches])[:n] > 0
+  mask = np.concatenate(sharding.host([b["mask"] for b in batches]))[:n] > 0
 
   def tokens(outs):  # per batch (arrays,) -> per real token, concatenated
-    return [
-      np.concatenate(a)[:n][mask] for a in zip(*jax.device_get(outs), strict=True)
-    ]
+    return [np.concatenate(a)[:n][mask] for a in zip(*sharding.host(outs), strict=True)]
 
   full_arg, full_nll = tokens(
     [_at_r_max(model, b, key, r_max=cfg.r_max) for b in batches]

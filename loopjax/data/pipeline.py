@@ -12,6 +12,7 @@ import grain
 import jax
 import numpy as np
 
+from loopjax import sharding
 from loopjax.errors import ConfigError
 
 
@@ -108,13 +109,23 @@ def eval_batches(split, batch_size: int, pad_id: int, columns=(), pad_to: int = 
 
 
 def map_batches(
-  fn, split, batch_size: int, pad_id: int, *, axis=0, columns=(), pad_to: int = 0
+  fn,
+  split,
+  batch_size: int,
+  pad_id: int,
+  *,
+  axis=0,
+  columns=(),
+  pad_to: int = 0,
+  put=lambda batch: batch,
 ):
-  """`fn(batch)` over `eval_batches`: its outputs (a pytree of arrays whose
-  `axis` runs over the batch) concatenated on the host, padding cut."""
+  """`fn(put(batch))` over `eval_batches`: its outputs (a pytree of arrays
+  whose `axis` runs over the batch) concatenated on the host, padding cut.
+  `put`: where each batch goes (`sharding.Feed.put`); outputs split over
+  several processes' devices are gathered whole in each."""
   n = len(split["target"])
-  outs = jax.device_get(  # every batch dispatched before the first is read
-    [fn(b) for b in eval_batches(split, batch_size, pad_id, columns, pad_to)]
+  outs = sharding.host(  # every batch dispatched before the first is read
+    [fn(put(b)) for b in eval_batches(split, batch_size, pad_id, columns, pad_to)]
   )
   return jax.tree.map(
     lambda *o: np.take(np.concatenate(o, axis), np.arange(n), axis), *outs

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 
 from loopjax import config as config_lib
-from loopjax import data, restore
+from loopjax import data, restore, sharding
 from loopjax.analysis import registry
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
@@ -36,12 +36,15 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   """The analyses of `model` (the checkpoint at `step`), written under
   `out_dir`; `main_split`: the held-out split the figures single out;
   `phases`: those whose record asks (the logit lens) also on every phase's
-  checkpoint."""
+  checkpoint. Every process computes (the model may span them all); process
+  0 writes, and returns the paths."""
   workdir, out_dir = Path(workdir), Path(out_dir)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, names = task.vocab.pad_id, config_lib.analyses(config)
   records = {n: registry.record(registry.KG, n) for n in names}
-  out_dir.mkdir(parents=True, exist_ok=True)
+  writes = jax.process_index() == 0
+  if writes:
+    out_dir.mkdir(parents=True, exist_ok=True)
   head = {
     "step": step,
     "fingerprint": task.summary()["fingerprint"],
@@ -53,7 +56,8 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
     traced = trace_all(config, traced_step(config, pad, shared), model, probes, pad)
   asked = config.analyze.lens_phases and phases
   phased = [n for n in shared if records[n].phases] if asked else []
-  by_phase = lens_phases(config, workdir, task, probes, phased) if phased else []
+  mesh = sharding.mesh_of(model.params)  # the phases' checkpoints go there too
+  by_phase = lens_phases(config, workdir, task, probes, phased, mesh) if phased else []
   written = []
   for name, record in records.items():
     if name in shared:
@@ -65,7 +69,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
       report["phases"] = [
         {"phase": p["phase"], "step": p["step"], name: p[name]} for p in by_phase
       ]
-    written += record.write(name, report, out_dir)
+    written += record.write(name, report, out_dir) if writes else []
   return written
 
 
@@ -94,16 +98,17 @@ def _traced(weights: Model, batch, key, *, depth: int, names: tuple, pad: int):
 
 def trace_all(config, step, model: Model, probes, pad) -> dict:
   """{name: {split: summary}} from `traced_step`'s per-example results."""
-  out = {}
+  feed, out = sharding.Feed.like(model.params, config.sharding.rules), {}
   for split_name, split in probes.items():
     split = split | {"bridge": kg.first_bridge(split)}
     ex = pipeline.map_batches(
       lambda b: step(model, b),
       split,
-      config.analyze.batch_size,
+      feed.size(config.analyze.batch_size),
       pad,
       columns=("bridge",),
       pad_to=config.data.pad_to,
+      put=feed.put,
     )
     for name in ex:
       record = registry.record(registry.KG, name)
@@ -111,13 +116,14 @@ def trace_all(config, step, model: Model, probes, pad) -> dict:
   return out
 
 
-def lens_phases(config, workdir: Path, task, probes, names) -> list[dict]:
+def lens_phases(config, workdir: Path, task, probes, names, mesh=None) -> list[dict]:
   """The shared analyses `names` (the logit lens) on each grokking phase's
   checkpoint (phases.json), in step order: [{"phase", "step", name: {split:
-  summary}}]; phases whose checkpoint is gone are left out."""
+  summary}}]; phases whose checkpoint is gone are left out. `mesh`: where
+  their params go (`restore.Reader`)."""
   pad = task.vocab.pad_id
   out, step_fn = [], traced_step(config, pad, names)  # compiled once
-  reader = restore.Reader(config, workdir, task)
+  reader = restore.Reader(config, workdir, task, mesh)
   try:
     for phase, step in sorted(Workdir(workdir).reached().items(), key=lambda x: x[1]):
       if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside

@@ -58,27 +58,22 @@ class Evaluator:
     self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
     self.pad, self.pad_to = task.vocab.pad_id, config.data.pad_to
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
-    self.batch_size = sharding.eval_batch(
-      mesh, config.sharding.rules, config.eval.batch_size, longest
-    )
+    self.feed = sharding.Feed(mesh, tuple(config.sharding.rules))
+    self.batch_size = self.feed.size(config.eval.batch_size, longest)
     self._eval_step = eval_step(
       config, graphdef, self.depths[-1], mesh, param_shardings
     )
-    if mesh is None:
-      self._put = lambda batch: batch
-    else:
-      put = sharding.batch_sharding(mesh, config.sharding.rules)
-      self._put = lambda batch: sharding.global_from_full(batch, put)
 
   def per_example(self, params, split):
     """(loss, correct), each (R_eval, N): one row per depth 1..max(depths)."""
     return pipeline.map_batches(
-      lambda b: self._eval_step(params, self._put(b)),
+      lambda b: self._eval_step(params, b),
       split,
       self.batch_size,
       self.pad,
       axis=1,
       pad_to=self.pad_to,
+      put=self.feed.put,
     )
 
   def per_depth(self, params) -> tuple[dict, dict]:

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from loopjax import sharding
 from loopjax.data import pipeline
 from loopjax.kg.evaluate import logits_per_iteration
 from loopjax.state import eval_key
@@ -31,15 +32,16 @@ def curves(model, probes: dict, config, pad: int):
   """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations, up to
   `analyze.max_depth`; the initial state drawn as evaluations draw it."""
   max_depth, key = config.analyze.max_depth, eval_key(config)
-  out = {}
+  feed, out = sharding.Feed.like(model.params, config.sharding.rules), {}
   for name, split in probes.items():
     margin_RN = pipeline.map_batches(
       lambda b: _margins(model, b, key, max_depth),
       split,
-      config.eval.batch_size,
+      feed.size(config.eval.batch_size),
       pad,
       axis=1,
       pad_to=config.data.pad_to,
+      put=feed.put,
     )
     out[name] = {
       "acc": (margin_RN > 0).mean(1).tolist(),

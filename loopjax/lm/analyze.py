@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from loopjax import config as config_lib
+from loopjax import sharding
 from loopjax.analysis import depth_scan, registry
 from loopjax.errors import ConfigError
 from loopjax.state import Model, eval_key
@@ -25,22 +26,24 @@ from loopjax.state import Model, eval_key
 SPLIT = "validation"
 
 
-def batches(task, num_windows: int, batch_size: int):
+def batches(task, num_windows: int, batch_size: int, feed=None):
   """(batches, n): the first n rows of validation text, drawn as training
   draws its rows (`data.align`: each starting at <bos>), the last batch
-  filled by repeating rows (cut from the results: the first n rows count)."""
+  filled by repeating rows (cut from the results: the first n rows count);
+  `feed`: the model's (`sharding.Feed`, which splits each batch), or none."""
+  feed = feed or sharding.Feed(None, ())
   n = min(num_windows, task.num_windows(SPLIT))
   if n == 0:
     raise ConfigError(
       f"data.valid_fraction: the validation split holds no window of "
       f"{task.seq_len} tokens to analyze"
     )
-  B = min(batch_size, n)
+  B = feed.size(batch_size, n)
   out = []
   for i in range(0, n, B):
     batch = task.windows(SPLIT, np.resize(np.arange(i, min(i + B, n)), B))
     batch["real"] = np.ones(batch["inputs"].shape, bool)
-    out.append(batch)
+    out.append(feed.put(batch))
   return out, n
 
 
@@ -70,12 +73,17 @@ def run(
 ) -> list[Path]:
   """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`;
   `probe`: (batches, n) to analyze instead of validation windows, reported
-  as `split` (a pretrained model's prompts); `rows`: called with the
-  streamed pass's per-row outputs, returns the paths it wrote."""
+  as `split` (a pretrained model's prompts, run as they come); `rows`: called
+  with the streamed pass's per-row outputs, returns the paths it wrote. Every
+  process computes (the model may span them all); process 0 writes, and
+  returns the paths."""
   a, out_dir, names = config.analyze, Path(out_dir), config_lib.analyses(config)
-  out_dir.mkdir(parents=True, exist_ok=True)
+  writes = jax.process_index() == 0
+  if writes:
+    out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth
-  probe, n = probe or batches(task, a.lm_windows, a.batch_size)
+  feed = sharding.Feed.like(model.params, config.sharding.rules)
+  probe, n = probe or batches(task, a.lm_windows, a.batch_size, feed)
   head = {
     "step": step,
     "fingerprint": task.fingerprint,
@@ -88,14 +96,15 @@ def run(
   shared, written = registry.shared(registry.LM, names), []
   for name in (x for x in names if x not in shared):  # their own passes first
     result = records[name].compute(model, probe, n, config, key)
-    written += records[name].write(name, head | {name: {split: result}}, out_dir)
+    report = head | {name: {split: result}}
+    written += records[name].write(name, report, out_dir) if writes else []
   if not shared:
     return written
   compiled = _scan.lower(model, probe[0], key, depth=depth).compile()
   mem = memory(compiled, probe[0], depth, config.model)
-  outs = jax.device_get([compiled(model, b, key) for b in probe])
+  outs = sharding.host([compiled(model, b, key) for b in probe])
   ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
   for name in shared:
     report = head | {name: {split: records[name].summarize(ex, config, mem)}}
-    written += records[name].write(name, report, out_dir)
+    written += records[name].write(name, report, out_dir) if writes else []
   return written + (rows(ex) if rows else [])

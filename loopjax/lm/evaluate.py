@@ -74,16 +74,10 @@ class LmEvaluator:
     n = task.num_windows("validation")
     limit = config.data.valid_sequences
     self.windows = np.arange(min(n, limit) if limit else n)
-    self.batch_size = sharding.eval_batch(
-      mesh, config.sharding.rules, config.eval.batch_size, len(self.windows)
-    )
+    self.feed = sharding.Feed(mesh, tuple(config.sharding.rules))
+    self.batch_size = self.feed.size(config.eval.batch_size, len(self.windows))
     self.unigram_loss = unigram_loss(task, list(self._batches()))
     self._step = eval_step(config, graphdef, self.depths[-1], mesh, param_shardings)
-    if mesh is None:
-      self._put = lambda b: b
-    else:
-      put = sharding.batch_sharding(mesh, config.sharding.rules)
-      self._put = lambda b: sharding.global_from_full(b, put)
 
   def _batches(self):
     B = self.batch_size
@@ -98,7 +92,7 @@ class LmEvaluator:
     """({"validation": {"loss", "ppl", "acc": {depth: .}}, "tokens_per_s"}, {})."""
     t = time.perf_counter()
     batches = list(self._batches())
-    outs = jax.device_get([self._step(params, self._put(b)) for b in batches])
+    outs = jax.device_get([self._step(params, self.feed.put(b)) for b in batches])
     seconds = time.perf_counter() - t
     tokens = sum(float(b["mask"].sum()) for b in batches)
     loss_R = sum(o[0].sum(-1) for o in outs) / tokens
