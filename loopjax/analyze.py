@@ -16,7 +16,9 @@ def analyze(config, workdir, step: int | None = None) -> list[Path]:
   """The analyses of the checkpoint at `step` (default: the newest good one);
   the paths written (none but in process 0)."""
   workdir, asked = Path(workdir), step
-  Workdir(workdir).check_writable("analysis")  # before the work, not after it
+  wd = Workdir(workdir)
+  wd.check(config)  # a config that conflicts with the run's is refused
+  wd.check_writable("analysis")  # before the work, not after it
   mesh = sharding.make_mesh(config.mesh)
   task, model, step = restore.from_checkpoint(config, workdir, step, mesh=mesh)
   family = task_lib.for_config(config)

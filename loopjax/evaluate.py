@@ -35,7 +35,9 @@ def write_results(workdir: Path, report: dict) -> Path:
 def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   """Restores a checkpoint (default: the newest good one), writes
   `eval/step_<N>.json` and prints its table."""
-  Workdir(workdir).check_writable("eval")  # before the work, not after it
+  wd = Workdir(workdir)
+  wd.check(config)  # a config that conflicts with the run's is refused
+  wd.check_writable("eval")  # before the work, not after it
   family, mesh = task_lib.for_config(config), sharding.make_mesh(config.mesh)
   task, model, step = restore.from_checkpoint(config, workdir, step, mesh=mesh)
   placed = jax.tree.map(lambda x: x.sharding, model.params)

@@ -12,7 +12,6 @@ from absl import flags
 
 from loopjax import cli
 from loopjax.errors import ConfigError, exit_with
-from loopjax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -48,9 +47,8 @@ def _one_process_only(config) -> str | None:
 
   if FLAGS.follow:
     return "--follow"
-  if config is not None and restore.pretrained(config):
-    return "model.hf_dir (a pretrained model)"
-  return None if FLAGS.mode in ("train", "eval", "analyze") else f"--mode={FLAGS.mode}"
+  pretrained = config is not None and restore.pretrained(config)
+  return "model.hf_dir (a pretrained model)" if pretrained else None
 
 
 def _run(config, workdir) -> None:
@@ -72,16 +70,13 @@ def _run(config, workdir) -> None:
   elif FLAGS.follow:
     follow.follow(workdir, config, poll_s=FLAGS.poll_s, analyses=FLAGS.analyze)
   elif FLAGS.mode == "eval":
-    Workdir(workdir).check(config)
     evaluate.evaluate_checkpoint(config, workdir, FLAGS.step)
   elif opens_a_directory:
     from loopjax.lm import pretrained  # its analyses: matplotlib
 
     print("wrote " + ", ".join(map(str, pretrained.analyze(config, workdir))))
-  else:
-    Workdir(workdir).check(config)
-    if paths := analyze.analyze(config, workdir, FLAGS.step):  # process 0's
-      print("wrote " + ", ".join(map(str, paths)))
+  elif paths := analyze.analyze(config, workdir, FLAGS.step):  # process 0's
+    print("wrote " + ", ".join(map(str, paths)))
 
 
 def main(argv):
