@@ -75,7 +75,9 @@ def test_curriculum_advances_and_resumes_in_its_stage(config, whole, tmp_path):
   assert stages(parts) == stages(whole)
 
 
-@pytest.mark.parametrize("floor", [0.0, 0.75])  # lr_min as a fraction of the lr
+@pytest.mark.parametrize(  # lr_min as a fraction of the lr; the floor: slow tier
+  "floor", [0.0, pytest.param(0.75, marks=pytest.mark.slow)]
+)
 def test_stage_decays_the_lr(config, floor):
   config.train.curriculum.update(lr_decay=0.5, lr_min=floor * config.train.lr)
   task = small_chains(max_hops=5, train_per_hop=50, test_per_hop=8)
@@ -233,6 +235,7 @@ def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
   assert losses(tmp_path / "run") == want
 
 
+@pytest.mark.slow  # ~17 s of training; test_pipeline checks the pad column
 def test_a_chains_run_reads_its_answer_at_a_pad_column(tmp_path):
   """data.pad_to (LTG's 50 / 49): the tiny run trains and evaluates with every
   chain padded to 8 tokens (max_hops 5 + 3) and the loss's supervised

@@ -195,6 +195,7 @@ def test_aot_refuses_an_unknown_pass_before_compiling(monkeypatch):
   )
 
 
+@pytest.mark.slow  # ~9 s; in-process: the streamed lines and the refusal
 def test_aot_compiles_only_the_passes_named(tmp_path):
   report = tmp_path / "aot.json"
   out = _aot("--devices=1", "--passes=eval", f"--json={report}")

@@ -243,6 +243,7 @@ def test_a_feedforward_baselines_stages_beside_the_looped_models(tmp_path):
   assert fixed["loss"] == pytest.approx(fixed["loss_full"], abs=1e-5)
 
 
+@pytest.mark.slow  # ~13 s: a pretrained analysis end to end with answers
 def test_answers_are_scored_beside_each_questions_statistics(tmp_path):
   """data.answer_field: each question answered greedily at R and scored by
   its last number against the gold's; answers.jsonl holds each question's
