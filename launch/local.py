@@ -57,7 +57,7 @@ def _relay(name, stream) -> None:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = slurm.Parser(description=__doc__.split("\n")[0])
   p.add_argument("--num_processes", type=int, default=2)
   p.add_argument("--devices_per_process", type=int, default=1)
   p.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True)

@@ -53,8 +53,17 @@ def _follow_step(args, main_args: list[str]) -> str:
   )
 
 
+class Parser(argparse.ArgumentParser):
+  """argparse with its errors in one line and exit 2, as every loopjax entry
+  point reports a bad argument (not the usage block above it)."""
+
+  def error(self, message):
+    print(f"error: {self.prog}: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = Parser(description=__doc__.split("\n")[0])
   p.add_argument("--nodes", type=int, default=1)
   p.add_argument("--gpus_per_node", type=int, default=8)
   p.add_argument("--per", choices=("gpu", "node"), default="gpu")

@@ -23,7 +23,6 @@ saves and exits as when preempted) and skips runs that have it: time to
 grok, measured without training on past it.
 """
 
-import argparse
 import importlib.util
 import json
 import os
@@ -88,7 +87,7 @@ def _shell(cmds: list[list[str]]) -> list[str]:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = slurm.Parser(description=__doc__.split("\n")[0])
   p.add_argument("--config", required=True)
   p.add_argument("--root", required=True, type=Path)
   p.add_argument("--sweep", default=None, help="which sweep of the file")

@@ -80,7 +80,7 @@ def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p = slurm.Parser(description=__doc__.split("\n")[0])
   p.add_argument("--name", required=True, help="the TPU VM slice")
   p.add_argument("--zone", required=True)
   p.add_argument("--project", default=None)

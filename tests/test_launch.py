@@ -361,3 +361,21 @@ def test_aot_names_a_mesh_that_does_not_fit():
     "error: mesh: data x fsdp x tensor must equal the 8 devices; got data=3, "
     "fsdp=1, tensor=1"
   ]
+
+
+@pytest.mark.parametrize(
+  "argv",
+  [
+    ["launch/local.py", "--num_processes=abc", "--", "echo"],
+    ["launch/slurm.py", "--nodes=x", "--", "echo"],
+    ["launch/tpu.py", "--", "echo"],
+    ["launch/sweep.py", "--parallel=2"],
+  ],
+  ids=["local", "slurm", "tpu", "sweep"],
+)
+def test_a_launchers_bad_argument_is_one_line(argv):
+  r = subprocess.run(
+    [sys.executable, *argv], capture_output=True, text=True, env=CPU_ENV, timeout=60
+  )
+  assert r.returncode == 2 and r.stdout == "", r
+  assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
