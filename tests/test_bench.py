@@ -1,8 +1,11 @@
 """Benchmarks run and measure what they claim (speed itself is not tested here)."""
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
+from conftest import CPU_ENV
 
 from experiments import bench, sysgen
 from loopjax.bench import first_step, steps
@@ -140,3 +143,23 @@ def test_first_step_times_a_fresh_start_and_two_restarts(tmp_path):
   assert all(r["to_first_step_s"] > r["compile_s"] > 0 for r in rows)
   fresh, restart, no_cache = (r["compile_s"] for r in rows)
   assert restart < fresh and restart < no_cache  # loaded, not compiled
+
+
+@pytest.mark.parametrize(
+  "args, says",
+  [
+    (["bogus", "--config=experiments/bench.py"], "expected one benchmark"),
+    (["step", "--config=experiments/bench.py", "--config.model.d_model=-1"],
+     "model.d_model: must be >= 1"),
+    pytest.param(["step", "--config=experiments/nope.py"],
+                 "cannot load the config file", marks=pytest.mark.slow),
+    pytest.param(["step"], "step: --config is required", marks=pytest.mark.slow),
+  ],
+)  # fmt: skip  (each ~6 s: a process that imports JAX; two in the slow tier)
+def test_a_bad_benchmark_command_is_one_line(args, says):
+  r = subprocess.run(
+    [sys.executable, "-m", "loopjax.bench", *args],
+    capture_output=True, text=True, env=CPU_ENV, timeout=120,
+  )  # fmt: skip
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.stderr.startswith("error: ") and says in r.stderr, r.stderr

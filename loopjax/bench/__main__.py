@@ -36,10 +36,10 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-from loopjax import recurrence
+from loopjax import cli, recurrence
+from loopjax import config as config_lib
 from loopjax.bench import (
   accelerator,
   attention,
@@ -50,8 +50,9 @@ from loopjax.bench import (
   steps,
 )
 from loopjax.data import kg, tfds_kg
+from loopjax.errors import ConfigError, exit_with
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=False)
+FLAGS = flags.FLAGS  # --config: cli's, loaded as every entry point loads it
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference.")
 _DEPTHS = flags.DEFINE_list("depths", ["4", "16", "64"], "`scaling`: depths R.")
 _OUT = flags.DEFINE_string("out", None, "Write the results as JSON here.")
@@ -222,7 +223,7 @@ BENCHMARKS = {
 def main(argv):
   if argv[1:] == ["accelerator"]:  # the parent of the parts: it starts no backend
     if not _OUT.value:
-      raise app.UsageError("accelerator: --out=DIR is required")
+      exit_with("accelerator: --out=DIR is required")
     report = accelerator.run(_OUT.value, smoke=_SMOKE.value)
     failed = [
       k for k, v in report["parts"].items() if v["status"] not in ("ok", "skipped")
@@ -233,11 +234,20 @@ def main(argv):
     return 1 if failed else 0
   if len(argv) != 2 or argv[1] not in BENCHMARKS:
     names = ", ".join([*BENCHMARKS, "accelerator"])
-    raise app.UsageError(f"expected one of {names}; got {argv[1:]}")
+    exit_with(f"expected one benchmark, one of {names}; got {argv[1:]}")
+  config = FLAGS.config
+  if config is None and argv[1] != "devices":
+    exit_with(f"{argv[1]}: --config is required")
+  try:  # a bad field is one line, before anything compiles
+    if config is not None:
+      config_lib.validate(config)
+      config.unlock()  # benchmarks vary a copy's fields
+  except ConfigError as e:
+    exit_with(str(e))
   result = {
     "benchmark": argv[1],
     "machine": measure.machine(),
-    **BENCHMARKS[argv[1]](_CONFIG.value),
+    **BENCHMARKS[argv[1]](config),
   }
   if _OUT.value:
     with open(_OUT.value, "w") as f:
@@ -246,7 +256,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  from loopjax import xla
-
-  xla.apply_defaults()
-  app.run(main)
+  cli.run(main)
