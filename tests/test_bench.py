@@ -149,13 +149,18 @@ def test_first_step_times_a_fresh_start_and_two_restarts(tmp_path):
   "args, says",
   [
     (["bogus", "--config=experiments/bench.py"], "expected one benchmark"),
-    (["step", "--config=experiments/bench.py", "--config.model.d_model=-1"],
-     "model.d_model: must be >= 1"),
-    pytest.param(["step", "--config=experiments/nope.py"],
-                 "cannot load the config file", marks=pytest.mark.slow),
+    (
+      ["step", "--config=experiments/bench.py", "--config.model.d_model=-1"],
+      "model.d_model: must be >= 1",
+    ),
+    pytest.param(
+      ["step", "--config=experiments/nope.py"],
+      "cannot load the config file",
+      marks=pytest.mark.slow,
+    ),
     pytest.param(["step"], "step: --config is required", marks=pytest.mark.slow),
   ],
-)  # fmt: skip  (each ~6 s: a process that imports JAX; two in the slow tier)
+)  # each ~6 s (a process that imports JAX): two in the slow tier
 def test_a_bad_benchmark_command_is_one_line(args, says):
   r = subprocess.run(
     [sys.executable, "-m", "loopjax.bench", *args],
