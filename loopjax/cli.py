@@ -9,6 +9,7 @@ these and calls `run(its_main)`.
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from absl import app, flags, logging
@@ -54,9 +55,17 @@ def _parse(argv):
     return rest
   except SyntaxError as e:  # the experiment file itself
     exit_with(f"{e.filename}:{e.lineno}: the config file does not parse ({e.msg})")
+  except ImportError as e:  # it imports what is not installed
+    path = _config_path(argv)
+    lines = [
+      n
+      for frame, n in traceback.walk_tb(e.__traceback__)
+      if os.path.abspath(frame.f_code.co_filename) == os.path.abspath(path)
+    ]
+    where = f"{path}:{lines[-1]}" if lines else path
+    exit_with(f"{where}: the config file does not import ({first_line(e)})")
   except OSError as e:
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
-    path = path.split(":", 1)[0]
+    path = _config_path(argv)
     why = "no such file" if not os.path.exists(path) else first_line(e.__cause__ or e)
     exit_with(f"--config={path}: cannot load the config file ({why})")
   except (flags.Error, ValueError, KeyError, AttributeError) as e:
@@ -64,6 +73,12 @@ def _parse(argv):
       exit_with(unknown)
     lines = [x for x in str(e).splitlines() if x.strip()] or [repr(e)]
     exit_with(lines[0] if len(lines) == 1 else f"{lines[0]} {lines[-1]}")
+
+
+def _config_path(argv) -> str:
+  """FILE of the command line's `--config=FILE[:variant]`."""
+  path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), "")
+  return path.split(":", 1)[0]
 
 
 def _unknown_field(argv) -> str | None:

@@ -180,12 +180,21 @@ def test_cli_exits_2_with_one_line(tmp_path, override, message):
       r"file \(no such file\)$",
     ),
     ("SYNTAX", r"error: .*broken.py:1: the config file does not parse \(invalid"),
+    (
+      "IMPORT",
+      r"error: .*broken.py:2: the config file does not import \(No module named "
+      r"'not_installed'\)$",
+    ),
   ],
 )
 def test_cli_bad_config_file_or_variant(tmp_path, config, message):
-  if config == "SYNTAX":  # an experiment file that does not parse
+  text = {  # an experiment file that does not parse, or does not import
+    "SYNTAX": "def get_config(:\n  pass\n",
+    "IMPORT": "import os\nimport not_installed\n",
+  }
+  if config in text:
+    (tmp_path / "broken.py").write_text(text[config])
     config = str(tmp_path / "broken.py")
-    (tmp_path / "broken.py").write_text("def get_config(:\n  pass\n")
   r = subprocess.run(
     [
       sys.executable,
