@@ -1,5 +1,6 @@
 """What loopjax's command lines share: `--config`, `--workdir`, `--step` and
-the multi-process flags (every mode is meant to run across processes); a
+the multi-process flags (training, eval and analyze of a run's checkpoint
+join them; `one_process` refuses them for the rest); a
 config file that does not load, a bad flag and a bad config field as one line
 (exit 2); a workdir's own config where none is given; and absl's start-up.
 
@@ -160,6 +161,14 @@ def initialize_processes() -> None:
     FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
     FLAGS.process_id, FLAGS.heartbeat_timeout,
   )  # fmt: skip
+
+
+def one_process(entry: str) -> None:
+  """Refuses the multi-process flags for an entry point that runs in one
+  process: launched on N processes, each would run the whole job alone."""
+  given = FLAGS.distributed or FLAGS.coordinator_address or FLAGS.num_processes
+  if given or FLAGS.process_id is not None:
+    exit_with(f"{entry} runs in one process; leave out the multi-process flags")
 
 
 def leave_if_a_peer_failed(e: Exception) -> None:

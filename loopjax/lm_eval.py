@@ -44,6 +44,7 @@ def _recurrences() -> tuple[int, ...]:
 
 def main(argv):
   workdir = cli.workdir(argv)
+  cli.one_process("python -m loopjax.lm_eval")
   try:
     config = cli.config(workdir)
     loops = _recurrences()

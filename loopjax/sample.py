@@ -32,6 +32,7 @@ flags.DEFINE_integer("seed", 0, "The sampling key's seed.")
 
 def main(argv):
   workdir = cli.workdir(argv)
+  cli.one_process("python -m loopjax.sample")
   try:
     config = cli.config(workdir)
     from loopjax import restore

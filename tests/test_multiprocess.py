@@ -302,3 +302,17 @@ def test_lm_analyze_on_two_processes_writes_what_one_process_does(tmp_path):
     config="experiments/lm.py:tiny",
   )
   _same_analyses(got, want, per_device=("memory", "MiB"))
+
+
+@pytest.mark.parametrize("entry", ["loopjax.sample", "loopjax.lm_eval"])
+def test_an_entry_point_that_runs_in_one_process_refuses_the_flags(tmp_path, entry):
+  """Launched on N processes, each would run the whole job alone."""
+  flags = ["--num_processes=2", "--process_id=0", "--coordinator_address=x:1"]
+  r = subprocess.run(
+    [sys.executable, "-m", entry, f"--workdir={tmp_path}", *flags],
+    capture_output=True, text=True, env=CPU_ENV, timeout=120,
+  )  # fmt: skip
+  assert r.returncode == 2, r.stderr
+  assert r.stderr == (
+    f"error: python -m {entry} runs in one process; leave out the multi-process flags\n"
+  )
