@@ -201,23 +201,29 @@ class Workdir:
       path.parent.mkdir(exist_ok=True)
     return _locked(path, f"--workdir={self.path}: another process", doing)
 
-  def check_data(self, dataset: dict) -> None:
-    """Raises ConfigError if the workdir's run was trained on other data (a
-    changed corpus, tokenizer or generator) than `dataset` (`task.summary()`);
-    touches nothing."""
+  def fingerprint(self) -> str | None:
+    """The fingerprint of the data the run was trained on (dataset.json);
+    None before the run has written it."""
     saved = self.path / "dataset.json"
     if not saved.exists():
-      return
+      return None
     got = read_json(saved, {}).get("fingerprint")
     if not isinstance(got, str):
       raise ConfigError(
         f"{saved}: has no fingerprint (the data the run was trained on); "
         "restore it or move the workdir away"
       )
-    if got != dataset["fingerprint"]:
+    return got
+
+  def check_data(self, dataset: dict) -> None:
+    """Raises ConfigError if the workdir's run was trained on other data (a
+    changed corpus, tokenizer or generator) than `dataset` (`task.summary()`);
+    touches nothing."""
+    got = self.fingerprint()
+    if got is not None and got != dataset["fingerprint"]:
       raise ConfigError(
         f"--workdir={self.path} was trained on other data (fingerprint "
-        f"in {saved} differs); use a new --workdir"
+        f"in {self.path / 'dataset.json'} differs); use a new --workdir"
       )
 
   def record(self, config, task, phases, dataset: dict, reached=None) -> None:
@@ -345,12 +351,15 @@ class Fork:
         f"{field}: a fork may change train.* only; {source.path} differs in "
         f"{'; '.join(diff[:3])}"
       )
-    got = read_json(source.path / "dataset.json", {}).get("fingerprint")
+    if (got := source.fingerprint()) is None:
+      raise ConfigError(f"{field}: {source.path} has no dataset.json")
     if got != dataset["fingerprint"]:
       raise ConfigError(f"{field}: {source.path} was trained on other data")
-    have = sorted(
-      int(p.name) for p in source.checkpoint_dir.glob("*") if p.name.isdigit()
-    )
+    have = []
+    if source.has_checkpoints():
+      mngr = source.checkpoints(config.checkpoint, read_only=True)
+      have = checkpoint.steps(mngr)  # complete ones, as a resume sees them
+      mngr.close()
     if not have or (step is not None and step not in have):
       raise ConfigError(
         f"{field}: {source.checkpoint_dir} has no checkpoint "

@@ -50,7 +50,7 @@ def _values(field):
     )
   if isinstance(default, str):
     allowed = field_rules.ENUMS.get(field, ())
-    return st.sampled_from(allowed + ("", "grokked_json:/nonexistent")) | st.text(
+    return st.sampled_from((*allowed, "", "grokked_json:/nonexistent")) | st.text(
       max_size=8
     )
   return st.lists(st.integers(-2, 8), max_size=3).map(tuple)  # eval.depths
