@@ -106,13 +106,15 @@ def spec(logical, rules, shape=None, mesh=None) -> PartitionSpec:
   out = []
   for i, name in enumerate(logical):
     axes = table.get(name) if name is not None else None
+    if isinstance(axes, list):  # a rule read back from JSON
+      axes = tuple(axes)
     if axes is not None and shape is not None:
       size = math.prod(
         mesh.shape[a] for a in (axes if isinstance(axes, tuple) else (axes,))
       )
       if shape[i] % size:
         axes = None
-    out.append(tuple(axes) if isinstance(axes, list) else axes)
+    out.append(axes)
   used = [
     a for axes in out if axes for a in (axes if isinstance(axes, tuple) else (axes,))
   ]

@@ -111,6 +111,16 @@ def run_config(path: Path):
   return config
 
 
+def _tuples(value):
+  """JSON's lists back to the tuples a config holds, at every depth (a rule's
+  mesh axes are a tuple inside a tuple)."""
+  if isinstance(value, dict):
+    return {k: _tuples(v) for k, v in value.items()}
+  if isinstance(value, list):
+    return tuple(_tuples(v) for v in value)
+  return value
+
+
 def write_atomic(path: Path, text: str) -> None:
   """Whole files only: another process (an evaluation job, another host) may be
   reading them. One writer per file (the locks), so one temporary name."""
@@ -142,7 +152,7 @@ class Workdir:
     data = read_json(saved, c.to_dict())
     try:
       config_lib.check_types(data)  # each field by name, before update's own
-      c.update(data)  # recursive; lists become tuples
+      c.update(_tuples(data))  # recursive
     except (TypeError, ValueError, KeyError) as e:  # ConfigError among them
       raise ConfigError(
         f"{saved}: does not read as a loopjax config ({first_line(e, 200)}); "

@@ -228,6 +228,17 @@ def test_a_workdirs_config_json_of_the_wrong_shape_is_one_line(tmp_path, text, s
     workdir.Workdir(tmp_path).saved_config()
 
 
+def test_a_saved_config_reads_back_as_written(tmp_path):
+  """JSON turns tuples into lists at every depth; a rule's mesh axes, a tuple
+  inside a tuple, must come back as one (a list broke the mesh's lookup)."""
+  c = sysgen.get_config()
+  c.sharding.rules = (("batch", ("data", "fsdp")), ("embed", None))
+  (tmp_path / "config.json").write_text(config_lib.to_json(c))
+  back = workdir.Workdir(tmp_path).saved_config()
+  assert back.sharding.rules == c.sharding.rules
+  assert back.to_dict() == c.to_dict()
+
+
 def test_a_dataset_json_without_a_fingerprint_is_one_line(tmp_path):
   for text in ("{}", "[]", '{"fingerprint": 3}'):
     (tmp_path / "dataset.json").write_text(text)
