@@ -22,7 +22,8 @@ accuracy is strictly above 0.95, each stage with a fresh AdamW and so a fresh
 --config.train.curriculum.lr_min=2e-5`); bf16 compute. What remains different:
 - Where the answer is read: the official pads every sequence to 50 tokens and
   reads the answer at column 49, a pad position after the chain; loopjax reads
-  it at the chain's last token (position k), which needs no padding.
+  it at the chain's last token (position k), which needs no padding, unless
+  `--config.data.pad_to=50` asks for the official's layout.
 - Dropout: the official `--dropout 0.0` turns off embedding dropout only;
   GPT-2's attention and residual dropout (0.1) stay on in training. loopjax has
   none.
