@@ -51,8 +51,7 @@ def test_analyze_runs_mechs_analyses_on_the_prompts(tmp_path):
   assert len(fp["fixed_points"]["prompts"]["layers"]) == 2  # per core layer
   st = json.loads((tmp_path / "analysis" / "stages.json").read_text())["stages"]
   assert st["prompts"]["num_loops"] == 6 and st["prompts"]["num_layers"] == 2
-  # analyze.batch_size (4) prompts, rounded up to the 8 devices they split over
-  assert st["prompts"]["memory"]["batch"][0] == 8
+  assert st["prompts"]["memory"]["batch"][0] == 4  # analyze.batch_size prompts
   assert json.loads((tmp_path / "config.json").read_text())["model"]["hf_dir"]
   c2 = config("huginn", "huginn", num_loops=8)  # the workdir holds another run
   with pytest.raises(ConfigError, match="holds a run with another config"):
