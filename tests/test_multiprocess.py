@@ -304,7 +304,7 @@ def test_lm_analyze_on_two_processes_writes_what_one_process_does(tmp_path):
   """A language model's analyses (fixed points, stages, attention) likewise,
   but for the compiled pass's memory (stages: per device). Params over fsdp
   only: with tensor 2 the streamed pass (depth_scan) never ends on CPU (gloo),
-  both processes waiting in it; not yet understood."""
+  process 0's device threads waiting in stages' eigvalsh (docs/scaling_out.md)."""
   corpus = write_corpus(tmp_path / "corpus")
   got, want = _analyses_by_one_and_two(
     tmp_path,
