@@ -358,8 +358,10 @@ def test_sample_on_two_processes_prints_what_one_process_does(tmp_path):
   two = _on_two(sample + ["--heartbeat_timeout=20"])
   assert two.returncode == 0, two.stdout[-3000:]
   assert len(one.stdout.strip()) > len("def ")
-  assert "\n".join(_said(two.stdout, 0)) + "\n" == one.stdout
-  assert not [x for x in _said(two.stdout, 1) if x.strip()]
+  # the text is each process's last output; gloo's lines may be cut in two
+  want = one.stdout.splitlines()
+  assert _said(two.stdout, 0)[-len(want) :] == want
+  assert want[0] not in _said(two.stdout, 1)
 
 
 @pytest.mark.slow
