@@ -1,6 +1,6 @@
 """What loopjax's command lines share: `--config`, `--workdir`, `--step` and
-the multi-process flags (training, eval and analyze of a run's checkpoint
-join them; `one_process` refuses them for the rest); a
+the multi-process flags (every entry point joins the processes they name:
+`processes`); a
 config file that does not load, a bad flag and a bad config field as one line
 (exit 2); a workdir's own config where none is given; and absl's start-up.
 
@@ -8,6 +8,7 @@ An entry point (`main`, `sample`, `lm_eval`) defines its own flags beside
 these and calls `run(its_main)`.
 """
 
+import contextlib
 import os
 import sys
 import traceback
@@ -153,22 +154,24 @@ def run(main) -> None:
   app.run(main, flags_parser=_parse)
 
 
-def initialize_processes() -> None:
-  """Joins a multi-process run where the flags (or the cluster) say so."""
+@contextlib.contextmanager
+def processes():
+  """Joins a multi-process run where the flags (or the cluster) say so;
+  within, a failed cross-process operation ends this process
+  (`leave_if_a_peer_failed`)."""
+  import jax
+
   from loopjax import sharding
 
   sharding.initialize(
     FLAGS.distributed, FLAGS.coordinator_address, FLAGS.num_processes,
     FLAGS.process_id, FLAGS.heartbeat_timeout,
   )  # fmt: skip
-
-
-def one_process(entry: str) -> None:
-  """Refuses the multi-process flags for an entry point that runs in one
-  process: launched on N processes, each would run the whole job alone."""
-  given = FLAGS.distributed or FLAGS.coordinator_address or FLAGS.num_processes
-  if given or FLAGS.process_id is not None:
-    exit_with(f"{entry} runs in one process; leave out the multi-process flags")
+  try:
+    yield
+  except jax.errors.JaxRuntimeError as e:
+    leave_if_a_peer_failed(e)
+    raise
 
 
 def leave_if_a_peer_failed(e: Exception) -> None:

@@ -7,6 +7,10 @@ its flags, is `python -m loopjax.lm.harness --model loopjax`.
   python -m loopjax.lm_eval --config=experiments/pretrained.py:huginn \
       --config.model.hf_dir=DIR --workdir=runs/huginn_eval \
       --tasks=arc_easy,hellaswag --num_loops=4,8,16,32
+
+On several processes (the multi-process flags, as `loopjax.main` takes them)
+the model spans every process's devices and scores each batch on all of them;
+process 0 writes (`lm.harness.run`).
 """
 
 from absl import flags
@@ -44,7 +48,6 @@ def _recurrences() -> tuple[int, ...]:
 
 def main(argv):
   workdir = cli.workdir(argv)
-  cli.one_process("python -m loopjax.lm_eval")
   try:
     config = cli.config(workdir)
     loops = _recurrences()
@@ -54,12 +57,13 @@ def main(argv):
       raise ConfigError(
         f"needs lm-evaluation-harness ({first_line(e)}); pip install -e '.[lm_eval]'"
       ) from None
-    harness.run(
-      config, workdir, tasks=FLAGS.tasks, recurrences=loops, exit=FLAGS.exit,
-      threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,
-      num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, step=FLAGS.step,
-      apply_chat_template=FLAGS.apply_chat_template, batch_size=FLAGS.batch_size,
-    )  # fmt: skip
+    with cli.processes():  # the model on every process's devices
+      harness.run(
+        config, workdir, tasks=FLAGS.tasks, recurrences=loops, exit=FLAGS.exit,
+        threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,
+        num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, step=FLAGS.step,
+        apply_chat_template=FLAGS.apply_chat_template, batch_size=FLAGS.batch_size,
+      )  # fmt: skip
   except ConfigError as e:
     exit_with(str(e))
 

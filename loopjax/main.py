@@ -41,16 +41,6 @@ def _checked_flags() -> None:
     exit_with("--step: not with --follow (it evaluates every checkpoint)")
 
 
-def _one_process_only(config) -> str | None:
-  """What of this command runs in one process only, if anything."""
-  from loopjax import restore
-
-  if FLAGS.follow:
-    return "--follow"
-  pretrained = config is not None and restore.pretrained(config)
-  return "model.hf_dir (a pretrained model)" if pretrained else None
-
-
 def _run(config, workdir) -> None:
   """The mode, on a validated config (None: --follow waits for the run's)."""
   from loopjax import analyze, evaluate, follow, restore, train
@@ -74,7 +64,8 @@ def _run(config, workdir) -> None:
   elif opens_a_directory:
     from loopjax.lm import pretrained  # its analyses: matplotlib
 
-    print("wrote " + ", ".join(map(str, pretrained.analyze(config, workdir))))
+    if paths := pretrained.analyze(config, workdir):  # process 0's
+      print("wrote " + ", ".join(map(str, paths)))
   elif paths := analyze.analyze(config, workdir, FLAGS.step):  # process 0's
     print("wrote " + ", ".join(map(str, paths)))
 
@@ -98,20 +89,17 @@ def main(argv):
     # --follow: the workdir may not exist yet, its config comes later
     follows = FLAGS.follow and FLAGS.config is None
     config = None if follows else cli.config(workdir, FLAGS.mode == "train")
-    cli.initialize_processes()
-    if jax.process_count() > 1 and (alone := _one_process_only(config)):
-      raise ConfigError(
-        f"{alone} runs in one process (train, eval and analyze of a run's "
-        "checkpoint run on several); leave out the multi-process flags"
-      )
-    _run(config, workdir)
+    with cli.processes():
+      if jax.process_count() > 1 and FLAGS.follow:
+        raise ConfigError(
+          "--follow runs in one process (every other mode runs on several); "
+          "leave out the multi-process flags"
+        )
+      _run(config, workdir)
   except ConfigError as e:
     exit_with(str(e))
   except (train.RunStopped, follow.TrainerStopped) as e:
     exit_with(str(e), code=1)
-  except jax.errors.JaxRuntimeError as e:
-    cli.leave_if_a_peer_failed(e)
-    raise
 
 
 if __name__ == "__main__":

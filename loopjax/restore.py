@@ -146,7 +146,8 @@ class LanguageModel:
 def language_model(config, workdir=None, num_loops: int | None = None):
   """The `LanguageModel` that `config` opens: `model.hf_dir`, or the run in
   `workdir`; at `num_loops` recurrences (default: model.num_loops). Every
-  input is checked (ConfigError) before a weight is read."""
+  input is checked (ConfigError) before a weight is read; the weights land
+  on the run's mesh (`config.mesh`: all devices of all processes)."""
   if pretrained(config):
     return _pretrained(config, num_loops)
   path = Path(workdir).expanduser() / "tokenizer.json"
@@ -158,9 +159,14 @@ def language_model(config, workdir=None, num_loops: int | None = None):
     task.tokenizer_json, [task.bos_id] if bos else [],
     task.bos_id if bos else task.eos_id, task.eos_id, task.seq_len,
   )  # fmt: skip
+
+  def weights(step=None):
+    mesh = sharding.make_mesh(config.mesh)
+    return from_checkpoint(config, workdir, step, task=task, mesh=mesh)[1]
+
   return LanguageModel(
     str(workdir), config.model, num_loops or config.model.num_loops, text, None,
-    lambda step=None: from_checkpoint(config, workdir, step, task=task)[1],
+    weights,
   )  # fmt: skip
 
 

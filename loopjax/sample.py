@@ -4,6 +4,9 @@ pretrained directory (`model.hf_dir`), by `lm.generate`.
   python -m loopjax.sample --workdir=runs/lm --prompt="def " [--num_loops=8]
   python -m loopjax.sample --config=experiments/pretrained.py:huginn \
       --config.model.hf_dir=DIR --workdir=runs/huginn --prompt="..." --num_loops=32
+
+On several processes (the multi-process flags, as `loopjax.main` takes them)
+the model spans every process's devices; process 0 prints the text.
 """
 
 from absl import flags
@@ -32,23 +35,25 @@ flags.DEFINE_integer("seed", 0, "The sampling key's seed.")
 
 def main(argv):
   workdir = cli.workdir(argv)
-  cli.one_process("python -m loopjax.sample")
   try:
     config = cli.config(workdir)
+    import jax
+
     from loopjax import restore
     from loopjax import task as task_lib
 
     if not restore.pretrained(config):  # a pretrained model records no run
       Workdir(workdir).check(config)
-
-    text = task_lib.for_config(config).sample(
-      config, workdir, FLAGS.prompt, step=FLAGS.step, num_loops=FLAGS.num_loops,
-      max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-      top_k=FLAGS.top_k, seed=FLAGS.seed,
-    )  # fmt: skip
+    with cli.processes():  # the model on every process's devices
+      text = task_lib.for_config(config).sample(
+        config, workdir, FLAGS.prompt, step=FLAGS.step, num_loops=FLAGS.num_loops,
+        max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+        top_k=FLAGS.top_k, seed=FLAGS.seed,
+      )  # fmt: skip
   except ConfigError as e:
     exit_with(str(e))
-  print(text)
+  if jax.process_index() == 0:  # every process has the text: one prints it
+    print(text)
 
 
 if __name__ == "__main__":

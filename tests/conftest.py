@@ -124,6 +124,51 @@ def write_corpus(root, docs: int = 24, seed: int = 0):
   return root
 
 
+QUESTIONS = [  # lm-evaluation-harness's local tasks' documents (`write_tasks`)
+  {"question": "how many apples", "choices": [" one", " two", " many"], "answer": 1},
+  {"question": "the cat sat", "choices": [" on", " down"], "answer": 0},
+  {"question": "one two", "choices": [" three", " four", " five"], "answer": 0},
+]
+
+
+def write_tasks(root):
+  """lm-evaluation-harness's local task format (YAML over questions.jsonl),
+  offline: toy_mc (multiple choice), toy_gen (greedy text until a newline)
+  and toy_ppl (each question's rolling log-likelihood: perplexities)."""
+  import json
+
+  root.mkdir(parents=True, exist_ok=True)
+  data = root / "questions.jsonl"
+  data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+  source = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+  (root / "toy_mc.yaml").write_text(
+    f"task: toy_mc\n{source}test_split: test\noutput_type: multiple_choice\n"
+    "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+    "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
+  )
+  (root / "toy_gen.yaml").write_text(
+    f"task: toy_gen\n{source}test_split: test\noutput_type: generate_until\n"
+    "doc_to_text: '{{question}}'\ndoc_to_target: ' two'\n"
+    "generation_kwargs:\n  until: [\"\\n\", 'apples']\n  max_gen_toks: 6\n"
+    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
+  )
+  (root / "toy_ppl.yaml").write_text(
+    f"task: toy_ppl\n{source}test_split: test\noutput_type: loglikelihood_rolling\n"
+    "doc_to_text: ''\ndoc_to_target: '{{question}}'\nmetric_list:\n"
+    "  - metric: word_perplexity\n  - metric: bits_per_byte\n"
+  )
+  return root
+
+
+def offline_env(root) -> dict:
+  """The harness's data sets read from disk only, cached under `root`."""
+  return {
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_CACHE": str(root / "datasets"),
+  }
+
+
 @pytest.fixture
 def lm_config(tmp_path):
   """The `tiny` LM variant on a small text corpus under this test's tmp dir."""

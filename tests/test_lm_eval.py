@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import QUESTIONS, offline_env, write_tasks
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -21,11 +22,6 @@ from loopjax.lm import harness, sample  # noqa: E402
 from loopjax.pretrained.load import load  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "ouro"
-QUESTIONS = [
-  {"question": "how many apples", "choices": [" one", " two", " many"], "answer": 1},
-  {"question": "the cat sat", "choices": [" on", " down"], "answer": 0},
-  {"question": "one two", "choices": [" three", " four", " five"], "answer": 0},
-]
 TEMPLATE = (
   "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
   "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -34,38 +30,14 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
-  """The task directory: toy_mc (multiple choice) and toy_gen (greedy text
-  until a newline), both over questions.jsonl."""
-  root = tmp_path_factory.mktemp("tasks")
-  data = root / "questions.jsonl"
-  data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
-  source = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
-  (root / "toy_mc.yaml").write_text(
-    f"task: toy_mc\n{source}test_split: test\noutput_type: multiple_choice\n"
-    "doc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
-    "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n"
-  )
-  (root / "toy_gen.yaml").write_text(
-    f"task: toy_gen\n{source}test_split: test\noutput_type: generate_until\n"
-    "doc_to_text: '{{question}}'\ndoc_to_target: ' two'\n"
-    "generation_kwargs:\n  until: [\"\\n\", 'apples']\n  max_gen_toks: 6\n"
-    "  do_sample: false\nmetric_list:\n  - metric: exact_match\n"
-  )
-  return root
+  """The task directory (`write_tasks`)."""
+  return write_tasks(tmp_path_factory.mktemp("tasks"))
 
 
 @pytest.fixture(autouse=True)
 def offline(monkeypatch, tmp_path):
   for name, value in offline_env(tmp_path).items():
     monkeypatch.setenv(name, value)
-
-
-def offline_env(root) -> dict:
-  return {
-    "HF_DATASETS_OFFLINE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_CACHE": str(root / "datasets"),
-  }
 
 
 def evaluate(tasks, names, model_dir=FIXTURE, **model_args):

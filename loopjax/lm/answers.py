@@ -19,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from loopjax.data import lm
@@ -69,11 +70,13 @@ STOPS = ("\n\n", "Question:")  # where an answer ends and the next begins
 
 
 def score(
-  model, task, prompts, golds, *, num_loops, tokens, stats, out_dir, batch_size=8
-):
-  """Answer every prompt (`batch_size` at a time), write answers.jsonl (one
-  line a question) and answers.md (accuracy, and each statistic's mean over
-  right and wrong answers); returns the paths."""
+  model, task, prompts, golds, *, num_loops, tokens, stats, out_dir, batch_size=8,
+  feed=None,
+):  # fmt: skip
+  """Answer every prompt (`batch_size` at a time; `feed`: see `generate`),
+  write answers.jsonl (one line a question) and answers.md (accuracy, and
+  each statistic's mean over right and wrong answers); returns the paths
+  (process 0 writes; the others return none)."""
   decode = lambda ids: lm.decode(task.tokenizer_json, ids)  # noqa: E731
   said = []
   for at in range(0, len(prompts), batch_size):
@@ -81,9 +84,11 @@ def score(
     g = generate(
       model, ids, tokens, num_loops=num_loops, eos_id=task.eos_id,
       stop=lambda new: any(s in decode(new) for s in STOPS),
-      pad_to=(batch_size, 0),
+      pad_to=(batch_size, 0), feed=feed,
     )  # fmt: skip
     said += g.tokens
+  if jax.process_index() != 0:  # every process answered; one writes
+    return []
   lines = []
   for i, (new, answer) in enumerate(zip(said, golds, strict=True)):
     text = decode([t for t in new if t != task.eos_id])

@@ -17,6 +17,12 @@ next-token distribution (as `halting.adaptive` decides per token), then its
 state is frozen: the recurrences it skipped get the keys and values of its
 last one (Huginn's "latest" lookup), which is what later tokens attending at
 those recurrences see. The prompt is always run at R.
+
+A model on a mesh (all devices of all processes) generates with each batch
+split over the `batch` rule's devices (`sharding.Feed`), its cache split
+alike; every process holds every prompt and every new token, so each takes
+the same steps. A sampled token depends on its row alone, not on the rows
+padding the batch to the devices.
 """
 
 import dataclasses
@@ -27,8 +33,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
-from loopjax import halting
+from loopjax import halting, sharding
 from loopjax.errors import ConfigError
 from loopjax.model.transformer import cached_iterations
 from loopjax.state import Model
@@ -84,6 +91,25 @@ class _Carry(NamedTuple):
   done: jax.Array  # (B,)
   iters: jax.Array  # (B,)
   kv: list  # per core layer, the token's keys and values at its last iteration
+
+
+def empty_cache(model: Model, batch: int, length: int, slots: int, feed) -> dict:
+  """`init_cache`'s zeros, made in place on `feed`'s mesh (rows split like
+  the batch), or on one device without one."""
+  module = model.module()
+
+  def make():
+    return module.init_cache(batch, length, slots, model.dtype)
+
+  if feed.mesh is None:
+    return make()
+  rows = sharding.spec(("batch",), feed.rules, (batch,), feed.mesh)[0]
+
+  def split(a):  # the batch: axis 0, or 1 behind a core layer's slots
+    lead = (None,) * (a.ndim - 4)
+    return NamedSharding(feed.mesh, PartitionSpec(*lead, rows))
+
+  return jax.jit(make, out_shardings=jax.tree.map(split, jax.eval_shape(make)))()
 
 
 def programs(seq_len: int, num_loops: int, model: Model) -> dict:
@@ -193,6 +219,7 @@ def generate(
   cache_slots: int | None = None,
   keep_logits: bool = False,
   pad_to: tuple[int, int] = (0, 0),
+  feed: sharding.Feed | None = None,
 ) -> Generation:
   """Continue each prompt (token ids; lengths may differ) by up to
   `max_new_tokens` tokens at `num_loops` recurrences (the most, with `exit`).
@@ -201,15 +228,16 @@ def generate(
   row has. `cache_slots` M < R: a bounded cache, iteration r in slot r mod M
   (memory M / R of the full one's). `pad_to` (rows, slots): the batch padded
   to at least that many rows (copies of the first prompt, ended from the
-  start, not returned) and slots, so callers bound what compiles."""
-  n = len(prompts)
-  prompts = list(prompts) + [prompts[0]] * (pad_to[0] - n)
+  start, not returned) and slots, so callers bound what compiles. `feed`:
+  the model's (`sharding.Feed`: rows also padded to its devices), or none."""
+  n, feed = len(prompts), feed or sharding.Feed(None, ())
+  prompts = list(prompts) + [prompts[0]] * (feed.size(max(pad_to[0], n)) - n)
   tokens_BT, start_B = left_pad(prompts, length=pad_to[1])
   B, T = tokens_BT.shape
   M = cache_slots or num_loops
   if not 1 <= M <= num_loops:
     raise ConfigError(f"cache_slots: must be 1 .. num_loops ({num_loops})")
-  cache = model.module().init_cache(B, T + max_new_tokens, M, model.dtype)
+  cache = empty_cache(model, B, T + max_new_tokens, M, feed)
   R = num_loops if M < num_loops else None  # None: a slot per iteration
 
   def choose(logits_BV, key):
@@ -219,12 +247,14 @@ def generate(
     if top_k:
       kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
       logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
-    return jax.random.categorical(key, logits_BV)
+    keys_B = jax.vmap(lambda b: jax.random.fold_in(key, b))(jnp.arange(B))
+    return jax.vmap(jax.random.categorical)(keys_B, logits_BV)
 
   prefill_key, key = jax.random.split(jax.random.key(seed))
-  start_B = jnp.asarray(start_B)
+  placed = feed.put({"tokens": tokens_BT, "start": start_B})
+  start_B = placed["start"]
   logits_BV, cache = prefill(
-    model, jnp.asarray(tokens_BT), cache, prefill_key, start_B, num_loops=R
+    model, placed["tokens"], cache, prefill_key, start_B, num_loops=R
   )
   iters_B = np.full(B, num_loops)
   keys = jax.random.split(key, 2 * max_new_tokens).reshape(max_new_tokens, 2)
@@ -233,9 +263,9 @@ def generate(
   for i in range(max_new_tokens):
     token_B = choose(logits_BV, keys[i, 0]).astype(jnp.int32)
     if keep_logits:
-      seen.append(np.asarray(logits_BV))
+      seen.append(sharding.host(logits_BV))
     used.append(iters_B)
-    for b, t in enumerate(np.asarray(token_B).tolist()):
+    for b, t in enumerate(sharding.host(token_B).tolist()):
       if not ended[b]:
         new[b].append(t)
         ended[b] = t == eos_id or (stop is not None and stop(new[b]))
@@ -247,7 +277,7 @@ def generate(
       logits_BV, cache = decode_step(*args, num_loops=R)
     else:
       logits_BV, cache, iters_B = exit_step(*args, exit, num_loops=R)
-      iters_B = np.asarray(iters_B)
+      iters_B = sharding.host(iters_B)
   return Generation(
     tokens=new[:n],
     iterations=np.stack(used, 1)[:n],

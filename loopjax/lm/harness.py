@@ -17,6 +17,14 @@ model's: `pretrained=` names the results folder, and add_bos_token unset
 encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
 <s>). `python -m loopjax.lm_eval` runs it for a list of recurrences
 into a workdir.
+
+Several processes (`python -m loopjax.lm_eval` with the multi-process flags)
+run one harness, not one rank each: the harness's ranks split the requests
+and gather results through torch.distributed, while the model here spans
+every process's devices and JAX runs a step only when every process calls it
+with the same shapes. So each process builds the same requests (the tasks
+and seeds are the same), every batch is scored by all devices together
+(`scoring`), and process 0 alone writes the results.
 """
 
 import contextlib
@@ -26,6 +34,7 @@ import re
 import sys
 from pathlib import Path
 
+import jax
 import jinja2
 import jinja2.sandbox
 import lm_eval.models  # noqa: F401  the harness's own models, registered first
@@ -283,7 +292,7 @@ class LoopjaxLM(TemplateLM):
   def _write(self, requests, kind: str, iterations: list) -> None:
     """Each request's recurrences (a mean over scored tokens, or one per new
     token), appended to `record`."""
-    if self.record is None:
+    if self.record is None or jax.process_index() != 0:  # one writer
       return
     self.record.parent.mkdir(parents=True, exist_ok=True)
     with self.record.open("a") as f:
@@ -331,18 +340,20 @@ def run(
   )
   Rs = list(recurrences or (model.scorer.num_loops,))
   model.scorer.depths = tuple(sorted(set(Rs)))  # log-likelihoods: one pass
-  table = {}
+  table, writes = {}, jax.process_index() == 0
   for R in Rs:
     model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"
-    model.record.unlink(missing_ok=True)
+    if writes:
+      model.record.unlink(missing_ok=True)
     with _data_on_disk():
       results = simple_evaluate(
         model=model, tasks=list(tasks), task_manager=manager, **harness_kw
       )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"r{R}.json").write_text(
-      json.dumps(results["results"], indent=1, default=str) + "\n"
-    )
+    if writes:
+      out.mkdir(parents=True, exist_ok=True)
+      (out / f"r{R}.json").write_text(
+        json.dumps(results["results"], indent=1, default=str) + "\n"
+      )
     for task, metrics in results["results"].items():
       for name, value in metrics.items():
         if isinstance(value, float) and "stderr" not in name:
@@ -354,8 +365,9 @@ def run(
     f"| {t} | {m} | " + " | ".join(f"{v.get(R, float('nan')):.4f}" for R in Rs) + " |"
     for (t, m), v in table.items()
   ]
-  (out / "table.md").write_text("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  if writes:
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
   return out
 
 

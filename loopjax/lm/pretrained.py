@@ -5,13 +5,17 @@ The model's config is the directory's (its family's mapping, `pretrained.load`)
 with `model.num_loops` recurrences and `model.dtype`; `model.hf_split` places
 a feedforward model's layers as prelude, core and coda. Outputs go to the
 workdir, which records the config (a later run with another refuses it).
+The model is placed on the run's mesh (all devices of all processes), each
+batch of prompts split over it; process 0 writes.
 """
 
 import json
 from pathlib import Path
 
+import jax
+
 from loopjax import config as config_lib
-from loopjax import halting, restore
+from loopjax import halting, restore, sharding
 from loopjax.analysis import registry, stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
@@ -56,13 +60,16 @@ def analyze(config, workdir) -> list[Path]:
   """The LM analyses (fixed points, stages, attention, halting) of the loaded
   model on the prompts, to `analyze.max_depth` recurrences, under
   workdir/analysis; with `analyze.baseline_dir`, a feedforward model's stages
-  on the same prompts beside them (analysis/baseline, stages_vs_baseline.png)."""
+  on the same prompts beside them (analysis/baseline, stages_vs_baseline.png).
+  Returns the paths process 0 wrote (other processes: none)."""
   baseline = _baseline_config(config)
   opened, task, prompts = prepare(config, workdir)
   base = baseline and restore.language_model(baseline)
   base_task = base and prompts_lib.lm_data(baseline, base.text.tokenizer_json, prompts)
   model = opened.model()  # every tensor checked: then the record
-  write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
+  writes = jax.process_index() == 0
+  if writes:
+    write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
   field = config.data.answer_field
   golds = field and prompts_lib.answers(config.data.source, field)
@@ -73,6 +80,8 @@ def analyze(config, workdir) -> list[Path]:
   written += _run(
     baseline, base.cfg, base.model(), base_task, prompts, out / "baseline"
   )
+  if not writes:
+    return written
   looped, fed = (
     json.loads((d / "stages.json").read_text()) for d in (out, out / "baseline")
   )
@@ -92,14 +101,15 @@ def _run(config, cfg, model, task, prompts, out: Path, golds=None) -> list[Path]
   and scored beside its statistics (`answers`)."""
   run_config = _over_base(config)
   run_config.model = cfg  # the directory's shapes, for the memory report
-  probe = prompts_lib.batches(task, prompts, config.analyze.batch_size)
+  feed = sharding.Feed.like(model.params, config.sharding.rules)
+  probe = prompts_lib.batches(task, prompts, config.analyze.batch_size, feed)
   a, R = config.analyze, cfg.num_loops
 
   def scored(ex):
     stats = answers.per_question(ex, R, a.tol)
     return answers.score(
       model, task, prompts, golds, num_loops=R, tokens=a.answer_tokens,
-      stats=stats, out_dir=out, batch_size=a.batch_size,
+      stats=stats, out_dir=out, batch_size=a.batch_size, feed=feed,
     )  # fmt: skip
 
   rows = scored if golds else None

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from loopjax import sharding
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 
@@ -63,11 +64,14 @@ def lm_data(config, tokenizer: str, prompts: list[str]) -> lm.LmData:
   return data.__class__(**{**data.__dict__, "fingerprint": sha.hexdigest()})
 
 
-def batches(task: lm.LmData, prompts: list[str], batch_size: int):
+def batches(task: lm.LmData, prompts: list[str], batch_size: int, feed=None):
   """(batches, n): the n prompts as rows of at most `task.seq_len` tokens,
   right-padded to the longest, in batches of `batch_size` (the last filled by
   repeating rows; results keep the first n). Each batch has the LM analyses'
-  fields: inputs, targets and their mask, segments (padding its own), real."""
+  fields: inputs, targets and their mask, segments (padding its own), real.
+  `feed`: the model's (`sharding.Feed`: each batch split over its devices,
+  `batch_size` rounded up to their split), or none."""
+  feed = feed or sharding.Feed(None, ())
   ids = [lm.encode(task.tokenizer_json, p)[: task.seq_len + 1] for p in prompts]
   if min(map(len, ids)) < 2:
     raise ConfigError("data.source: a prompt encodes to fewer than 2 tokens")
@@ -76,15 +80,18 @@ def batches(task: lm.LmData, prompts: list[str], batch_size: int):
   real = np.zeros((len(ids), T + 1), bool)
   for i, row in enumerate(ids):
     tokens[i, : len(row)], real[i, : len(row)] = row, True
-  n, B = len(ids), min(batch_size, len(ids))
+  n = len(ids)
+  B = feed.size(batch_size, n)
   rows = np.resize(np.arange(n), -(-n // B) * B).reshape(-1, B)
   return [
-    {
-      "inputs": tokens[r, :-1],
-      "targets": tokens[r, 1:],
-      "mask": real[r, 1:].astype(np.float32),
-      "segments": (~real[r, :-1]).astype(np.int32),
-      "real": real[r, :-1],
-    }
+    feed.put(
+      {
+        "inputs": tokens[r, :-1],
+        "targets": tokens[r, 1:],
+        "mask": real[r, 1:].astype(np.float32),
+        "segments": (~real[r, :-1]).astype(np.int32),
+        "real": real[r, :-1],
+      }
+    )
     for r in rows
   ], n

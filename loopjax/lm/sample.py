@@ -3,7 +3,7 @@ pretrained directory, `restore.language_model`), by `lm.generate`."""
 
 import numpy as np
 
-from loopjax import restore
+from loopjax import restore, sharding
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.lm.generate import generate
@@ -14,7 +14,8 @@ def sample(
 ) -> str:
   """`prompt` continued at `num_loops` recurrences (default: model.num_loops)
   by the run's checkpoint at `step` (default: the newest) or the pretrained
-  model; the prompt is read from a document's start (`restore.Text`)."""
+  model; the prompt is read from a document's start (`restore.Text`). The
+  model is on the run's mesh (all processes' devices), its batch split there."""
   opened = restore.language_model(config, workdir)
   text = opened.text
   ids = text.prefix_ids + lm.encode(text.tokenizer_json, prompt)
@@ -24,12 +25,14 @@ def sample(
       "nothing to continue"
     )
   _check_length(len(ids), max_new_tokens, text.max_length, opened.cfg.pos_encoding)
+  model = opened.model(step)
   out = generate(
-    opened.model(step),
+    model,
     [ids],
     max_new_tokens,
     num_loops=num_loops or opened.num_loops,
     eos_id=text.eos_id,
+    feed=sharding.Feed.like(model.params, config.sharding.rules),
     **kw,
   )
   skip = len(text.prefix_ids)  # the prompt as given, and what followed it

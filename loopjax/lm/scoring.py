@@ -7,6 +7,12 @@ Requests are token ids. Log-likelihoods run in batches of similar length
 causal attention keeps the padding out of every real position), at a fixed R
 or with a per-token exit rule (`halting.adaptive` over the whole text).
 Generation is `lm.generate`'s batched decoding.
+
+A model on a mesh (all devices of all processes) scores each batch split
+over its devices (`sharding.Feed`; a batch is `batch_size` rounded up to
+their split); every process asks for the same requests and reads every
+score, so all run the same steps together (lm-evaluation-harness sees one
+rank: `harness.run`).
 """
 
 import dataclasses
@@ -18,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import halting, recurrence, restore
+from loopjax import halting, recurrence, restore, sharding
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.lm.generate import generate
@@ -95,7 +101,8 @@ def _bucket(n: int, most: int) -> int:
 class Scorer:
   """`model` reading and writing `text` (`restore.Text`: an empty context
   starts from its `start_id`), at `num_loops` recurrences (the most, with an
-  `exit` rule); `max_length`: the positions it is given."""
+  `exit` rule); `max_length`: the positions it is given; `feed`: the
+  model's (`sharding.Feed`, which splits each batch over its devices)."""
 
   def __init__(
     self,
@@ -108,11 +115,13 @@ class Scorer:
     batch_size: int = 8,
     exit: halting.Rule | None = None,
     seed: int = 0,
+    feed: sharding.Feed | None = None,
   ):
     self.model, self.num_loops, self.exit = model, num_loops, exit
     self.tok = lm.tokenizer_from_json(text.tokenizer_json)
     self.max_length, self.batch_size = max_length or text.max_length, batch_size
     self.start_id, self.eos_id, self.seed = text.start_id, text.eos_id, seed
+    self.feed = feed or sharding.Feed(None, ())
     # With `depths` (and no exit rule), a log-likelihood is computed at every
     # depth in one pass and kept: a later call at another of them reads it.
     self.depths, self._kept = tuple(depths), {}
@@ -148,16 +157,16 @@ class Scorer:
       rows.append((ids[:-1], ids[1:], len(continuation)))
     out = [[None] * len(rows) for _ in depths or (None,)]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
-    key = jax.random.key(self.seed)
-    for at in range(0, len(order), self.batch_size):
-      chunk = order[at : at + self.batch_size]
+    key, B = jax.random.key(self.seed), self.feed.size(self.batch_size)
+    for at in range(0, len(order), B):
+      chunk = order[at : at + B]
       T = _bucket(len(rows[chunk[0]][0]), self.max_length)
-      inputs_BT = np.zeros((self.batch_size, T), np.int32)
-      targets_BT = np.zeros((self.batch_size, T), np.int32)
+      inputs_BT, targets_BT = np.zeros((B, T), np.int32), np.zeros((B, T), np.int32)
       for b, i in enumerate(chunk):
         inputs, targets, _ = rows[i]
         inputs_BT[b, : len(inputs)], targets_BT[b, : len(targets)] = inputs, targets
-      args = (self.model, jnp.asarray(inputs_BT), jnp.asarray(targets_BT), key)
+      batch = self.feed.put({"inputs": inputs_BT, "targets": targets_BT})
+      args = (self.model, batch["inputs"], batch["targets"], key)
       if depths:
         scores = _scores_at_depths(*args, depths=depths)
       else:
@@ -165,7 +174,7 @@ class Scorer:
           x[None]
           for x in _token_scores(*args, rule=self.exit, num_loops=self.num_loops)
         ]
-      logp_DBT, greedy_DBT, iters_DBT = map(np.asarray, scores)
+      logp_DBT, greedy_DBT, iters_DBT = sharding.host(list(scores))
       for d, kept in enumerate(out):
         for b, i in enumerate(chunk):
           end = len(rows[i][0])
@@ -194,15 +203,16 @@ class Scorer:
     out = [None] * len(contexts)
     order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
     room = max(1, self.max_length - max_new_tokens)
-    for at in range(0, len(order), self.batch_size):
-      chunk = order[at : at + self.batch_size]
+    B = self.feed.size(self.batch_size)
+    for at in range(0, len(order), B):
+      chunk = order[at : at + B]
       prompts = [(contexts[i] or [self.start_id])[-room:] for i in chunk]
       # a full batch, its length bucketed: few programs to compile
       slots = _bucket(len(prompts[0]), room)
       g = generate(
         self.model, prompts, max_new_tokens, num_loops=self.num_loops,
         temperature=temperature, seed=self.seed, eos_id=self.eos_id,
-        stop=stop, exit=self.exit, pad_to=(self.batch_size, slots),
+        stop=stop, exit=self.exit, pad_to=(B, slots), feed=self.feed,
       )  # fmt: skip
       for b, i in enumerate(chunk):
         new = g.tokens[b]
@@ -261,9 +271,10 @@ def opened(
   if (rule := scorer_kw.get("exit")) is not None:
     rule.check(source.cfg, "exit", source.name)
   template, specials = chat_template(source.directory)
+  model = source.model(step)
   scorer = Scorer(
-    source.model(step), source.text, num_loops=source.num_loops,
-    max_length=max_length, **scorer_kw,
+    model, source.text, num_loops=source.num_loops, max_length=max_length,
+    feed=sharding.Feed.like(model.params, config.sharding.rules), **scorer_kw,
   )  # fmt: skip
   return Loaded(scorer, source.name, template, specials)
 
