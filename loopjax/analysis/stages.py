@@ -79,8 +79,8 @@ def gram_eigenvalues(z_BTD):
   Z Z^T (T x T) or Z^T Z (D x D), whichever is smaller (their nonzero ones are
   the same). On TPU by XLA's Jacobi solver: jnp.linalg's default there is JAX's
   QDWH divide-and-conquer past 256 rows, which libtpu had not compiled in 15
-  minutes for one batch of 1024 x 1024 (Huginn's 5280 x 5280, at 9 layers of
-  its analysis pass, never finished; docs/scaling_out.md)."""
+  minutes for one batch of 1024 x 1024 (Huginn's analysis pass, 9 of them at
+  5280 x 5280, not in 25; docs/scaling_out.md)."""
   T, D = z_BTD.shape[-2:]
   gram = "btd,bsd->bts" if T <= D else "btd,bte->bde"
   g_BKK = jnp.einsum(gram, z_BTD, z_BTD)
