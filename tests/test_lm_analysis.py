@@ -81,6 +81,15 @@ def test_layer_statistics_of_known_states():
   np.testing.assert_allclose(s["entropy"], [1.0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("T, D", [(3, 8), (8, 3)])
+def test_the_gram_eigenvalues_are_those_of_the_feature_gram(T, D):
+  """The smaller Gram (Z Z^T when T < D) has Z^T Z's nonzero eigenvalues."""
+  z = jnp.asarray(np.random.default_rng(0).normal(size=(2, T, D)), jnp.float32)
+  want = np.linalg.eigvalsh(np.einsum("btd,bte->bde", z, z))[:, -min(T, D) :]
+  got = jax.device_get(stages.gram_eigenvalues(z))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_repetition_is_the_share_of_variation_the_layer_explains():
   rows = lambda m_RL: [{"x": v} for v in np.asarray(m_RL, float).ravel()]
   assert stages.repetition(rows([[1, 5], [1, 5], [1, 5]]), "x", 2) == pytest.approx(1)

@@ -74,6 +74,24 @@ def head_stats(probs_BNTS, real_BT, first_BT) -> dict:
   }, p_BNS
 
 
+def gram_eigenvalues(z_BTD):
+  """(B, K) eigenvalues of each sequence's Gram matrix, K = min(T, D): those of
+  Z Z^T (T x T) or Z^T Z (D x D), whichever is smaller (their nonzero ones are
+  the same). On TPU by XLA's Jacobi solver: jnp.linalg's default there is JAX's
+  QDWH divide-and-conquer past 256 rows, which libtpu had not compiled in 15
+  minutes for one batch of 1024 x 1024 (Huginn's analysis pass, 9 of them at
+  5280 x 5280, not in 25; docs/scaling_out.md)."""
+  T, D = z_BTD.shape[-2:]
+  gram = "btd,bsd->bts" if T <= D else "btd,bte->bde"
+  g_BKK = jnp.einsum(gram, z_BTD, z_BTD)
+  jacobi = jax.lax.linalg.EighImplementation.JACOBI
+  return jax.lax.platform_dependent(
+    g_BKK,
+    tpu=lambda g: jax.lax.linalg.eigh(g, implementation=jacobi)[1],
+    default=jnp.linalg.eigvalsh,
+  )
+
+
 def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
   """Per sequence (B,): the residual-stream statistics of one layer's output."""
   real_BT = batch["real"]
@@ -82,9 +100,8 @@ def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
   others_BT = real_BT & ~first_BT
   first_BT = first_BT & real_BT
   abs_BF = jnp.where(real_BT[..., None], jnp.abs(h), jnp.nan).reshape(h.shape[0], -1)
-  z_BTD = h * real_BT[..., None]
-  lam_BD = jnp.clip(jnp.linalg.eigvalsh(jnp.einsum("btd,bte->bde", z_BTD, z_BTD)), 0)
-  p_BD = lam_BD / jnp.maximum(lam_BD.sum(-1, keepdims=True), 1e-30)
+  lam_BK = jnp.clip(gram_eigenvalues(h * real_BT[..., None]), 0)
+  p_BK = lam_BK / jnp.maximum(lam_BK.sum(-1, keepdims=True), 1e-30)
   rank_B = jnp.minimum(real_BT.sum(-1), h.shape[-1]).astype(jnp.float32)
   lens, _, tokens = loss.lm_row_sums(logits_fn, h_BTD, batch["targets"], batch["mask"])
   return {
@@ -92,7 +109,7 @@ def layer_stats(h_BTD, batch, first_BT, logits_fn) -> dict:
     "median_norm": jnp.nanmedian(jnp.where(others_BT, norm_BT, jnp.nan), -1),
     "max_abs": jnp.nanmax(abs_BF, -1),
     "median_abs": jnp.nanmedian(abs_BF, -1),
-    "entropy": -xlogy(p_BD, p_BD).sum(-1) / jnp.log(jnp.maximum(rank_B, 2.0)),
+    "entropy": -xlogy(p_BK, p_BK).sum(-1) / jnp.log(jnp.maximum(rank_B, 2.0)),
     "lens_loss": lens,
     "tokens": tokens,
   }
