@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from loopjax import sharding
 from loopjax.errors import ConfigError, first_line
 
 CORRUPT_DIR = "checkpoints_corrupt"
@@ -212,7 +213,7 @@ def _quarantine(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
   dst = src.parent.parent / CORRUPT_DIR / str(step)
   while dst.exists():
     dst = dst.with_name(dst.name + "+")
-  if jax.process_index() == 0:
+  if sharding.writes():
     dst.parent.mkdir(exist_ok=True)
     shutil.move(src, dst)
   if jax.process_count() > 1:  # no process reads the directory while it moves

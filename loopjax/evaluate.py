@@ -45,7 +45,7 @@ def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
     config, task, model.graphdef, config.eval.depths, mesh, placed
   )
   report = results(config, task, evaluator.per_depth(model.params)[0], step)
-  if jax.process_index() != 0:  # the same report: one writer
+  if not sharding.writes():  # the same report: one writer
     return report
   out = write_results(workdir, report)
   title, depths, rows = family.eval_table(config, report)

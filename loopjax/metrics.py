@@ -6,9 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
+
+from loopjax import sharding
 
 
 class Writer:
@@ -23,7 +24,7 @@ class Writer:
   """
 
   def __init__(self, jsonl: Path, tb_dir: Path, tb_section: str | None = None):
-    self.enabled = jax.process_index() == 0
+    self.enabled = sharding.writes()
     self.tb_section = tb_section
     if self.enabled:
       from tensorboardX import SummaryWriter  # heavy import, process 0 only
@@ -139,7 +140,7 @@ class Progress:
   def __init__(self, total: int, initial: int, every_s: float = 30.0, stream=None):
     self.total, self.every_s = total, every_s
     self.stream = sys.stderr if stream is None else stream
-    self.enabled = jax.process_index() == 0
+    self.enabled = sharding.writes()
     self.bar = None
     if self.enabled and self.stream.isatty():
       self.bar = tqdm(

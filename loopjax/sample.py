@@ -11,7 +11,7 @@ the model spans every process's devices; process 0 prints the text.
 
 from absl import flags
 
-from loopjax import cli
+from loopjax import cli, sharding
 from loopjax.errors import ConfigError, exit_with
 from loopjax.field_rules import MAX_ITERATIONS
 from loopjax.workdir import Workdir
@@ -37,7 +37,6 @@ def main(argv):
   workdir = cli.workdir(argv)
   try:
     config = cli.config(workdir)
-    import jax
 
     from loopjax import restore
     from loopjax import task as task_lib
@@ -52,7 +51,7 @@ def main(argv):
       )  # fmt: skip
   except ConfigError as e:
     exit_with(str(e))
-  if jax.process_index() == 0:  # every process has the text: one prints it
+  if sharding.writes():  # every process has the text: one prints it
     print(text)
 
 

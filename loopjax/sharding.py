@@ -224,6 +224,12 @@ def _merged(spans) -> tuple[tuple[int, int], ...]:
   return tuple(out)
 
 
+def writes() -> bool:
+  """Whether this process writes the files and prints the lines that every
+  process computed alike (reports, checkpoints' side files, logs): process 0."""
+  return jax.process_index() == 0
+
+
 def process_rows(mesh, rules, batch_size: int) -> tuple[int, int]:
   """(group, groups) of this process (`row_groups`)."""
   return row_groups(mesh, rules, batch_size)[jax.process_index()]

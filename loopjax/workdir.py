@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from loopjax import checkpoint
+from loopjax import checkpoint, sharding
 from loopjax import config as config_lib
 from loopjax.errors import ConfigError, first_line
 
@@ -247,7 +247,7 @@ class Workdir:
       + ", ".join(f"{k}={n}" for k, n in sizes.items())
     )
     self._phases = dict.fromkeys(phases) | (reached or {}) | self._phases
-    if jax.process_index() == 0:
+    if sharding.writes():
       self.path.mkdir(parents=True, exist_ok=True)
       write_atomic(self.path / "config.json", config_lib.to_json(config))
       write_atomic(saved, json.dumps(dataset, indent=2))
@@ -267,7 +267,7 @@ class Workdir:
   def reach(self, names, step: int) -> None:
     """Records that `names` were reached at `step`; their checkpoints are kept."""
     self._phases |= dict.fromkeys(names, step)
-    if jax.process_index() == 0:
+    if sharding.writes():
       self._write_phases()
 
   def kept_steps(self) -> set[int]:

@@ -42,7 +42,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, names = task.vocab.pad_id, config_lib.analyses(config)
   records = {n: registry.record(registry.KG, n) for n in names}
-  writes = jax.process_index() == 0
+  writes = sharding.writes()
   if writes:
     out_dir.mkdir(parents=True, exist_ok=True)
   head = {

@@ -78,7 +78,7 @@ def run(
   process computes (the model may span them all); process 0 writes, and
   returns the paths."""
   a, out_dir, names = config.analyze, Path(out_dir), config_lib.analyses(config)
-  writes = jax.process_index() == 0
+  writes = sharding.writes()
   if writes:
     out_dir.mkdir(parents=True, exist_ok=True)
   key, depth = eval_key(config), a.max_depth

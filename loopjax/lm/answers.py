@@ -19,9 +19,9 @@ import json
 import re
 from pathlib import Path
 
-import jax
 import numpy as np
 
+from loopjax import sharding
 from loopjax.data import lm
 from loopjax.lm.generate import generate
 
@@ -87,7 +87,7 @@ def score(
       pad_to=(batch_size, 0), feed=feed,
     )  # fmt: skip
     said += g.tokens
-  if jax.process_index() != 0:  # every process answered; one writes
+  if not sharding.writes():  # every process answered; one writes
     return []
   lines = []
   for i, (new, answer) in enumerate(zip(said, golds, strict=True)):

@@ -34,7 +34,6 @@ import re
 import sys
 from pathlib import Path
 
-import jax
 import jinja2
 import jinja2.sandbox
 import lm_eval.models  # noqa: F401  the harness's own models, registered first
@@ -42,6 +41,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
+from loopjax import sharding
 from loopjax.errors import ConfigError, exit_with, first_line
 from loopjax.field_rules import ENUMS, MAX_ITERATIONS
 from loopjax.halting import Rule
@@ -292,7 +292,7 @@ class LoopjaxLM(TemplateLM):
   def _write(self, requests, kind: str, iterations: list) -> None:
     """Each request's recurrences (a mean over scored tokens, or one per new
     token), appended to `record`."""
-    if self.record is None or jax.process_index() != 0:  # one writer
+    if self.record is None or not sharding.writes():  # one writer
       return
     self.record.parent.mkdir(parents=True, exist_ok=True)
     with self.record.open("a") as f:
@@ -340,7 +340,7 @@ def run(
   )
   Rs = list(recurrences or (model.scorer.num_loops,))
   model.scorer.depths = tuple(sorted(set(Rs)))  # log-likelihoods: one pass
-  table, writes = {}, jax.process_index() == 0
+  table, writes = {}, sharding.writes()
   for R in Rs:
     model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"
     if writes:

@@ -12,8 +12,6 @@ batch of prompts split over it; process 0 writes.
 import json
 from pathlib import Path
 
-import jax
-
 from loopjax import config as config_lib
 from loopjax import halting, restore, sharding
 from loopjax.analysis import registry, stage_figures
@@ -67,7 +65,7 @@ def analyze(config, workdir) -> list[Path]:
   base = baseline and restore.language_model(baseline)
   base_task = base and prompts_lib.lm_data(baseline, base.text.tokenizer_json, prompts)
   model = opened.model()  # every tensor checked: then the record
-  writes = jax.process_index() == 0
+  writes = sharding.writes()
   if writes:
     write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
   out = Path(workdir) / "analysis"
