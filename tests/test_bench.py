@@ -159,8 +159,13 @@ def test_first_step_times_a_fresh_start_and_two_restarts(tmp_path):
       marks=pytest.mark.slow,
     ),
     pytest.param(["step"], "step: --config is required", marks=pytest.mark.slow),
+    pytest.param(
+      ["step", "--config=experiments/extrapolation.py"],
+      "step: the config has no `bench` section",
+      marks=pytest.mark.slow,
+    ),
   ],
-)  # each ~6 s (a process that imports JAX): two in the slow tier
+)  # each ~6 s (a process that imports JAX): three in the slow tier
 def test_a_bad_benchmark_command_is_one_line(args, says):
   r = subprocess.run(
     [sys.executable, "-m", "loopjax.bench", *args],

@@ -203,8 +203,16 @@ def test_processes_feed_their_rows_of_a_mesh_that_is_not_host_major(tmp_path):
   assert len(set(seen[:, 0].ravel())) == 96  # 6 steps x 16: the whole epoch
 
 
+# A halting rule's answers are decisions: a KL or entropy within float32
+# rounding of its threshold falls either side when the reduction order moves
+# (CI saw one of 47 examples exit one iteration later). Its accuracy and mean
+# iterations may differ by about one example's; everything else to `tol`.
+DECIDED = 0.05
+
+
 def _same_report(got, want, at="", tol=1e-6) -> None:
-  """Equal JSON; floats to `tol` (the order of a sum may differ)."""
+  """Equal JSON; floats to `tol` (the order of a sum may differ), a halting
+  rule's acc and iterations to DECIDED."""
   if isinstance(want, dict):
     assert got.keys() == want.keys(), at
     for k in want:
@@ -213,6 +221,10 @@ def _same_report(got, want, at="", tol=1e-6) -> None:
     assert len(got) == len(want), at
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
       _same_report(g, w, f"{at}[{i}]", tol)
+  elif (
+    isinstance(want, float) and ".halting[" in at and at.endswith(("acc", "iterations"))
+  ):
+    assert abs(got - want) <= DECIDED, (at, got, want)
   elif isinstance(want, float):
     assert abs(got - want) <= tol * max(1.0, abs(want)), (at, got, want)
   else:
@@ -244,13 +256,19 @@ def _same_table(got: str, want: str) -> None:
   """Equal markdown but for the numbers in scientific notation (distances
   between iterates, some ~1e-6: a few float32 ulps of the states, which the
   reduction order moves): within 1e-6 as in the .json, or one in the last
-  digit shown."""
-  tiny = r"(-?\d\.\de[-+]\d+)"
+  digit shown; and a halting rule's "acc / iterations" cells: to DECIDED and
+  the digit shown."""
+  tiny, decided = r"(-?\d\.\de[-+]\d+)", r"(\d\.\d{3} / \d+\.\d)"
   got_parts, want_parts = re.split(tiny, got), re.split(tiny, want)
-  assert got_parts[::2] == want_parts[::2]
   for g, w in zip(got_parts[1::2], want_parts[1::2], strict=True):
     digit = 10.0 ** (int(w.split("e")[1]) - 1)
     assert abs(float(g) - float(w)) <= max(1e-6, 1.01 * digit), (g, w)
+  got_parts = re.split(decided, "".join(got_parts[::2]))
+  want_parts = re.split(decided, "".join(want_parts[::2]))
+  assert got_parts[::2] == want_parts[::2]
+  for g, w in zip(got_parts[1::2], want_parts[1::2], strict=True):
+    for a, b, digit in zip(g.split(" / "), w.split(" / "), (1e-3, 0.1), strict=True):
+      assert abs(float(a) - float(b)) <= DECIDED + digit, (g, w)
 
 
 def _analyses_by_one_and_two(tmp_path, *flags, mesh=(2, 2), **config):

@@ -204,6 +204,8 @@ def bench_devices(config) -> dict:
   return {"devices": [str(d) for d in jax.devices()], "memory": memory}
 
 
+# The benchmarks timed in `config.bench` windows.
+TIMED = ("step", "scaling", "depth", "attention")
 BENCHMARKS = {
   "step": bench_step,
   "scaling": bench_scaling,
@@ -238,6 +240,11 @@ def main(argv):
   config = FLAGS.config
   if config is None and argv[1] != "devices":
     exit_with(f"{argv[1]}: --config is required")
+  if argv[1] in TIMED and "bench" not in config:
+    exit_with(
+      f"{argv[1]}: the config has no `bench` section (warmup, steps, repeats); "
+      "use experiments/bench.py or experiments/lm.py, or add one"
+    )
   try:  # a bad field is one line, before anything compiles
     if config is not None:
       config_lib.validate(config)
