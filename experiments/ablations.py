@@ -19,7 +19,7 @@ Variants: `composition` (default: `sysgen.py:cpu`, 2-hop composition),
 """
 
 from experiments import extrapolation, sysgen
-from loopjax.analysis import registry
+from loopjax.kg import spec
 
 
 def get_config(variant: str = "composition"):
@@ -36,7 +36,7 @@ def get_config(variant: str = "composition"):
       f"variant: must be one of composition, chains, tiny; got {variant!r}"
     )
   c.variant = variant
-  c.analyze.names = ("overthinking", *registry.shared(registry.KG))
+  c.analyze.names = ("overthinking", *spec.SHARED)
   c.analyze.max_depth = 16  # 4x the default R = 4: every variant's 2x and 4x R
   return c
 

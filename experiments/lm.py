@@ -63,7 +63,7 @@ tokenizer (100352 rows, 100278 tokens), is used as it is.
 import math
 
 from loopjax import config as config_lib
-from loopjax.analysis import registry
+from loopjax.lm import spec
 
 # The first state's std: the converters keep Huginn-0125's (its 5280 width).
 HUGINN_STATE_STD = math.sqrt(2 / (5 * 5280))
@@ -80,7 +80,7 @@ def get_config(variant: str = "cpu"):
     tie_embeddings=True,
   )
   # --mode=analyze: fixed points, stages and attention to 4R iterations.
-  c.analyze.update(names=registry.shared(registry.LM), batch_size=8)
+  c.analyze.update(names=spec.SHARED, batch_size=8)
   c.bench = dict(warmup=5, steps=5, repeats=8)  # python -m loopjax.bench step
   c.train.update(
     schedule="cosine",

@@ -37,7 +37,7 @@ the published models' shapes):
 from pathlib import Path
 
 from loopjax import config as config_lib
-from loopjax.analysis import registry
+from loopjax.lm import spec
 
 PROMPTS = Path(__file__).parent / "prompts" / "arithmetic.jsonl"
 SHAPES = Path(__file__).parent / "hf_shapes"  # published models' config.json
@@ -74,13 +74,13 @@ def get_config(variant: str = "huginn"):
   c.data.seq_len = 256  # a prompt's tokens beyond are cut
   num_loops, depth, batch = FAMILIES[variant]
   c.model.update(num_loops=num_loops, dtype="bfloat16", hf_dir="")
-  c.analyze.update(names=tuple(registry.LM), max_depth=depth, batch_size=batch)
+  c.analyze.update(names=tuple(spec.ANALYSES), max_depth=depth, batch_size=batch)
   # `halting`: each token's exit under the family's own rules, up to R
   if variant == "ouro":  # its gate; 1.0 (its config's default): all 4 steps
     c.analyze.halting.update(criteria=("gate",), r_min=1, r_max=4)
     c.analyze.halting.gate = (0.3, 0.5, 0.7, 0.9)
   elif variant in ("llama", "olmo2"):  # nothing to exit from
-    c.analyze.names = registry.shared(registry.LM)
+    c.analyze.names = spec.SHARED
   else:  # Huginn's evaluators, their default thresholds among the eps
     c.analyze.halting.update(
       criteria=HUGINN_EXITS, r_min=1, r_max=num_loops, start="uniform",

@@ -4,7 +4,7 @@ Experiment files under `experiments/` start from `base()` and set what their
 paper's hyperparameter table says. `validate` runs before anything compiles and
 raises `ConfigError` with one line naming the field and what is allowed; each
 field is checked once: a field alone by its table (field_rules.py), one a task
-family reads by the family's rules (task_checks.py), the fields that depend on
+family reads by the family's rules (its spec.py: kg/, lm/), the fields that depend on
 each other here (what only the data or the devices can tell is checked where
 they are loaded: the family's `load`, `sharding.run_mesh`).
 """
@@ -13,7 +13,7 @@ import json
 
 import ml_collections
 
-from loopjax import field_rules, task, task_checks
+from loopjax import field_rules, task
 from loopjax.errors import ConfigError
 from loopjax.names import HALTING_LTG
 
@@ -190,7 +190,7 @@ def base() -> ml_collections.ConfigDict:
   # tokens that must have for a layer to; cycle_margin, how far apart the
   # layers' limit directions must stay for a cyclic fixed point.
   # lens_phases: the logit lens also runs on each grokking phase's checkpoint.
-  # A language model (registry.LM): the first lm_windows validation windows;
+  # A language model (lm/spec.ANALYSES): the first lm_windows validation windows;
   # sink_threshold, the attention mass on the first token that makes a sink.
   c.analyze = dict(
     names=(),  # (): the task family's (task.FAMILIES)
@@ -235,7 +235,18 @@ def base() -> ml_collections.ConfigDict:
 
 def analyses(c) -> tuple[str, ...]:
   """`analyze.names`, or the task family's analyses where it is empty."""
-  return tuple(c.analyze.names) or task.FAMILIES[c.data.task].default_analyses
+  return tuple(c.analyze.names) or task.spec(c.data.task).default_analyses
+
+
+def _family_has(c, rules: task.Spec, part: str, field: str, what: str):
+  """`rules`' `part`; a ConfigError naming `field` where the family has none."""
+  if not getattr(rules, part):
+    having = [repr(n) for n in task.FAMILIES if getattr(task.spec(n), part)]
+    raise ConfigError(
+      f"{field}: needs data.task {' or '.join(having)} ({what}); got task "
+      f"{c.data.task!r}"
+    )
+  return getattr(rules, part)
 
 
 def validate(c: ml_collections.ConfigDict) -> None:
@@ -243,8 +254,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   check_types(c)
   field_rules.check_fields(c)
   d, m, t, a = c.data, c.model, c.train, c.analyze
+  rules = task.spec(d.task)
   if m.init_from:
-    task_checks.init_from(c)
+    _family_has(c, rules, "init_from", "model.init_from", "a pretrained model")(c)
   elif m.hf_split and not m.hf_dir:
     raise ConfigError(
       "model.hf_split: needs model.init_from or model.hf_dir (the pretrained "
@@ -259,11 +271,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raise ConfigError(
       "analyze.baseline_dir: a pretrained model's baseline; needs model.hf_dir"
     )
-  rules = task.FAMILIES[d.task]
   if m.hf_dir or d.source.startswith("prompts:"):
-    task_checks.pretrained(c)
+    field = "model.hf_dir" if m.hf_dir else "data.source"
+    _family_has(c, rules, "pretrained", field, "pretrained models")(c)
   else:
-    task.imported(rules.check)(c)
+    rules.check(c)
+  if t.curriculum.enabled:
+    _family_has(c, rules, "curriculum", "train.curriculum.enabled", "a hop curriculum")
   allowed = rules.analyses
   if wrong := [n for n in a.names if not isinstance(n, str) or n not in allowed]:
     raise ConfigError(

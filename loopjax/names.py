@@ -1,6 +1,16 @@
 """The names a config gives halting criteria and attention kernels: one
 JAX-free leaf that config validation and the modules using them read (the
-analyses' names are their registry's, analysis/registry.py)."""
+analyses' names are their families', kg/spec.py and lm/spec.py), and
+`imported`, which turns a registry's "module:ATTRIBUTE" into the object."""
+
+import importlib
+
+
+def imported(path: str):
+  """The attribute "module:ATTRIBUTE" names, its module imported now."""
+  module, _, attribute = path.partition(":")
+  return getattr(importlib.import_module(module), attribute)
+
 
 # Adaptive halting (halting.py, whose CRITERIA has one rule per name): what
 # iteration 1 is compared with, the criteria, and the ones LTG compares.

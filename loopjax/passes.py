@@ -169,7 +169,7 @@ def _other_passes(config, family, task, mesh, graphdef, abstract, shardings) -> 
   step = family.eval_step(config, graphdef, mesh, shardings["params"])
   out = {"eval": {f"evaluation, {B} rows": (step, (abstract["params"], batch))}}
   model = state.Model(graphdef, abstract["params"], config.model.dtype)
-  table = task_lib.FAMILIES[config.data.task].analyses
+  table = task_lib.spec(config.data.task).analyses
   if family.streams_analyses and registry.shared(table, config_lib.analyses(config)):
     name, analysis = _analysis(config, mesh, family, task, model)
     out["analysis"] = {name: analysis}

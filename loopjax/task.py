@@ -7,58 +7,56 @@ shapes of its batches (ahead-of-time compiles, benchmarks) and the line a
 finished run prints. The loop, checkpoints, sharding and recurrence are shared
 and never ask which family they serve.
 
-`FAMILIES` is strings, as big_vision names its evaluators: config
-validation reads a family's rules (a JAX-free module) and analyses in a
-fraction of a second, and `for_config` imports the family's class only when
-a run needs it; its `load` reads the data with the family's own reader. A new
-family is a package beside `kg/` and `lm/` (its `Family` subclass, its reader,
-its checks) and one line here.
+`FAMILIES` is strings, as big_vision names its evaluators: per family, its
+class and its `Spec` (what config validation reads: its config rules, its
+analyses by name, whether it has a hop curriculum or pretrained models), in
+its package's JAX-free `spec.py`. `spec` imports the latter in a fraction of
+a second; `for_config` imports the class only when a run needs it, and its
+`load` reads the data with the family's own reader. A new family is a
+package beside `kg/` and `lm/` (its `Family` subclass, its reader, its
+`spec.py`) and one line here.
 """
 
 import abc
 import functools
-import importlib
+from collections.abc import Callable
 from typing import NamedTuple
 
-from loopjax.analysis import registry
+from loopjax.analysis.registry import Entry
 from loopjax.errors import ConfigError
+from loopjax.names import imported
 
 
 class Record(NamedTuple):
-  """A family by its `data.task` name: what validation and loading read."""
+  """A family by its `data.task` name: "module:ATTRIBUTE" of its parts."""
 
-  family: str  # "module:Class" of its Family subclass
-  check: str  # "module:function": its config rules (JAX-free: task_checks.py)
-  analyses: dict[str, registry.Entry]  # its table in analysis/registry.py
+  family: str  # its Family subclass (imported when a run needs it)
+  spec: str  # its Spec (JAX-free: config validation imports it)
+
+
+class Spec(NamedTuple):
+  """What config validation reads of a family; a family without pretrained
+  models or a curriculum leaves those out."""
+
+  check: Callable  # its config rules: (config) -> None, raises ConfigError
+  analyses: dict[str, Entry]  # its analyses by name (analysis/registry.py)
   default_analyses: tuple[str, ...]  # those `--mode=analyze` runs by default
+  curriculum: bool = False  # trains with a hop curriculum (train.curriculum.*)
+  pretrained: Callable | None = None  # rules of a pretrained model's run (model.hf_dir)
+  init_from: Callable | None = None  # of a run started from one (model.init_from)
 
 
 FAMILIES = {
-  "composition": Record(
-    "loopjax.kg.task:Composition",
-    "loopjax.task_checks:composition",
-    registry.KG,
-    tuple(registry.KG),
-  ),
-  "chains": Record(
-    "loopjax.kg.task:Chains",
-    "loopjax.task_checks:chains",
-    registry.KG,
-    tuple(registry.KG),
-  ),
-  "lm": Record(
-    "loopjax.lm.task:LanguageModel",
-    "loopjax.task_checks:lm",
-    registry.LM,
-    registry.shared(registry.LM),
-  ),
+  "composition": Record("loopjax.kg.task:Composition", "loopjax.kg.spec:COMPOSITION"),
+  "chains": Record("loopjax.kg.task:Chains", "loopjax.kg.spec:CHAINS"),
+  "lm": Record("loopjax.lm.task:LanguageModel", "loopjax.lm.spec:LM"),
 }
 
 
-def imported(path: str):
-  """The attribute "module:ATTRIBUTE" names, its module imported now."""
-  module, _, attribute = path.partition(":")
-  return getattr(importlib.import_module(module), attribute)
+@functools.cache
+def spec(name: str) -> Spec:
+  """The Spec of family `name` (`data.task`, field_rules checked it)."""
+  return imported(FAMILIES[name].spec)
 
 
 class Family(abc.ABC):

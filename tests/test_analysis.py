@@ -13,6 +13,8 @@ from loopjax import config as config_lib
 from loopjax.analysis import activations, attention, fixed_points, logit_lens, registry
 from loopjax.analysis.record import Analysis
 from loopjax.errors import ConfigError
+from loopjax.kg import spec as kg_spec
+from loopjax.lm import spec as lm_spec
 from loopjax.model import LoopedTransformer
 
 PAD = 9
@@ -270,7 +272,7 @@ def test_analyze_and_the_ablation_table(grokking_run):
 
   config, workdir = grokking_run
   config = config.copy_and_resolve_references()
-  config.analyze.names = ("overthinking", *registry.shared(registry.KG))
+  config.analyze.names = ("overthinking", *kg_spec.SHARED)
   paths = {p.name for p in analyze.analyze(config, workdir)}
   for name in config.analyze.names:
     assert {f"{name}.json", f"{name}.md", f"{name}.png"} <= paths
@@ -309,14 +311,15 @@ def test_analyze_and_the_ablation_table(grokking_run):
 def test_every_analysis_name_finds_its_record():
   """The registry's strings (read by config validation) agree with the records
   they name; a name without one is a one-line ConfigError, not a KeyError."""
-  for table in (registry.KG, registry.LM):
+  for table in (kg_spec.ANALYSES, lm_spec.ANALYSES):
     for name, entry in table.items():
       record = registry.record(table, name)
       assert (record.compute is None) == entry.shared, name
       assert (record.summarize is not None) == entry.shared, name
-      assert (record.per_example is not None) == (entry.shared and table is registry.KG)
+      per_example = entry.shared and table is kg_spec.ANALYSES
+      assert (record.per_example is not None) == per_example, name
   with pytest.raises(ConfigError) as e:
-    registry.record(registry.LM, "logit_lens")  # a knowledge graph's only
+    registry.record(lm_spec.ANALYSES, "logit_lens")  # a knowledge graph's only
   assert str(e.value) == (
     "analyze.names: each must be one of fixed_points, stages, attention, halting; "
     "got 'logit_lens'"
@@ -347,7 +350,7 @@ def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, c
   from loopjax.state import Model, build_model
 
   monkeypatch.setitem(
-    registry.KG, "toy", registry.Entry("test_analysis:TOY", shared=True)
+    kg_spec.ANALYSES, "toy", registry.Entry("test_analysis:TOY", shared=True)
   )
   c = sysgen.get_config("tiny")
   c.data.data_dir = str(tmp_path / "data")

@@ -252,9 +252,11 @@ def test_every_family_in_the_registry_resolves():
   the defaults fill what a family does not write."""
   from loopjax import task
 
-  for name, record in task.FAMILIES.items():
+  for name in task.FAMILIES:
     family = task.family(name)
     assert isinstance(family, task.Family) and family.name == name
-    assert callable(task.imported(record.check))
+    spec = task.spec(name)
+    assert callable(spec.check) and set(spec.default_analyses) <= set(spec.analyses)
   assert task.family("chains").sampling_programs(None, None, None) == {}
   assert not task.family("composition").streams_analyses
+  assert [n for n in task.FAMILIES if task.spec(n).curriculum] == ["chains"]

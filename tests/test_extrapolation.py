@@ -11,10 +11,10 @@ from conftest import as_ltg_writes_it, losses, run
 
 from experiments import extrapolation
 from loopjax import metrics, restore, train
-from loopjax.analysis import registry
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
 from loopjax.kg import curriculum, overthinking
+from loopjax.kg import spec as kg_spec
 from loopjax.kg.evaluate import Evaluator
 from loopjax.state import Model, train_state
 
@@ -181,7 +181,7 @@ def test_analyze_agrees_with_evaluation(config, whole):
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert {p.name for p in (whole / "analysis").iterdir()} == {
-    f"{name}.{ext}" for name in registry.KG for ext in ("json", "md", "png")
+    f"{name}.{ext}" for name in kg_spec.ANALYSES for ext in ("json", "md", "png")
   } | {"logit_lens_phases.png"}  # the curriculum's stages are its phases
   curves = json.loads((whole / "analysis" / "overthinking.json").read_text())
   assert curves["step"] == 60 and curves["train_depths"] == [2, 4]

@@ -10,9 +10,10 @@ import pytest
 from flax import nnx
 
 from experiments import lm as lm_experiment
-from loopjax.analysis import attention, depth_scan, fixed_points, registry, stages
+from loopjax.analysis import attention, depth_scan, fixed_points, stages
 from loopjax.data.lm import LmData
 from loopjax.lm import analyze as analyze_lm
+from loopjax.lm import spec as lm_spec
 from loopjax.lm import study as lm_study
 from loopjax.state import Model, build_model
 
@@ -266,7 +267,7 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   out = tmp_path / "run" / "analysis"
   paths = analyze_lm.run(config, task, Model(graphdef, params), 7, out)
   assert sorted(p.name for p in paths) == sorted(
-    f"{n}.{ext}" for n in registry.shared(registry.LM) for ext in ("json", "md", "png")
+    f"{n}.{ext}" for n in lm_spec.SHARED for ext in ("json", "md", "png")
   )
   st = json.loads((out / "stages.json").read_text())
   assert st["step"] == 7 and st["windows"] == 3

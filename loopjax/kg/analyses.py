@@ -1,4 +1,4 @@
-"""A knowledge-graph run's analyses, one record each (registry.KG names them;
+"""A knowledge-graph run's analyses, one record each (kg/spec.ANALYSES names them;
 kg/analyze.py runs them). The traced ones share one pass, each reducing it
 per example; the measures live in analysis/ because a language model's
 streamed pass (depth_scan) computes them too, without figures."""

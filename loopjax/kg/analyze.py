@@ -3,8 +3,8 @@
 Writes `workdir/analysis/<name>.json` (with the step and data fingerprint),
 `<name>.md` (a table) and `<name>.png`. Analyses are pure functions of the
 restored params and the probe splits (`data.probes`); nothing here trains or
-moves a checkpoint. Each is a record found by name (`analysis/registry.py`'s
-KG, records in kg/analyses.py). The shared ones (logit lens, fixed points,
+moves a checkpoint. Each is a record found by name (kg/spec.py's
+ANALYSES, records in kg/analyses.py). The shared ones (logit lens, fixed points,
 attention, massive activations) read one traced forward pass per batch
 (`LoopedTransformer.trace`), each reducing it per example; the logit lens also
 runs on each grokking phase's checkpoint (`analyze.lens_phases`).
@@ -20,6 +20,7 @@ from loopjax import data, restore, sharding
 from loopjax.analysis import registry
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
+from loopjax.kg import spec
 from loopjax.state import Model, eval_key
 from loopjax.workdir import Workdir
 
@@ -41,7 +42,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   workdir, out_dir = Path(workdir), Path(out_dir)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, names = task.vocab.pad_id, config_lib.analyses(config)
-  records = {n: registry.record(registry.KG, n) for n in names}
+  records = {n: registry.record(spec.ANALYSES, n) for n in names}
   writes = sharding.writes()
   if writes:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -51,7 +52,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
     "train_depths": train_depths(config),
     "main_split": main_split,
   }
-  traced, shared = {}, registry.shared(registry.KG, names)
+  traced, shared = {}, registry.shared(spec.ANALYSES, names)
   if shared:
     traced = trace_all(config, traced_step(config, pad, shared), model, probes, pad)
   asked = config.analyze.lens_phases and phases
@@ -91,7 +92,7 @@ def _traced(weights: Model, batch, key, *, depth: int, names: tuple, pad: int):
   model = weights.module()
   trace = model.trace(batch["inputs"], depth, key)
   return {
-    n: registry.record(registry.KG, n).per_example(model, trace, batch, pad)
+    n: registry.record(spec.ANALYSES, n).per_example(model, trace, batch, pad)
     for n in names
   }
 
@@ -111,7 +112,7 @@ def trace_all(config, step, model: Model, probes, pad) -> dict:
       put=feed.put,
     )
     for name in ex:
-      record = registry.record(registry.KG, name)
+      record = registry.record(spec.ANALYSES, name)
       out.setdefault(name, {})[split_name] = record.summarize(ex, config, split)
   return out
 

@@ -1,4 +1,4 @@
-"""A language model's analyses, one record each (registry.LM names them;
+"""A language model's analyses, one record each (lm/spec.ANALYSES names them;
 lm/analyze.py runs them): three read the one streamed pass (depth_scan, which
 computes their per-example outputs together), `halting` runs its own."""
 

@@ -1,7 +1,7 @@
 """A language model's analyses: fixed points, stages of inference and
 attention, from one streamed pass over validation windows (`depth_scan`),
 and the halting table from its own passes; each a record found by name
-(`analysis/registry.py`'s LM, records in lm/analyses.py).
+(lm/spec.py's ANALYSES, records in lm/analyses.py).
 
 `analyze.lm_windows` rows of validation text (documents held out whole),
 drawn as training draws its rows (`data.align`), are run to `analyze.max_depth`
@@ -21,6 +21,7 @@ from loopjax import config as config_lib
 from loopjax import sharding
 from loopjax.analysis import depth_scan, registry
 from loopjax.errors import ConfigError
+from loopjax.lm import spec
 from loopjax.state import Model, eval_key
 
 SPLIT = "validation"
@@ -92,8 +93,8 @@ def run(
     "windows": n,
     "seq_len": int(probe[0]["inputs"].shape[1]),
   }
-  records = {x: registry.record(registry.LM, x) for x in names}
-  shared, written = registry.shared(registry.LM, names), []
+  records = {x: registry.record(spec.ANALYSES, x) for x in names}
+  shared, written = registry.shared(spec.ANALYSES, names), []
   for name in (x for x in names if x not in shared):  # their own passes first
     result = records[name].compute(model, probe, n, config, key)
     report = head | {name: {split: result}}

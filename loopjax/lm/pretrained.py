@@ -17,7 +17,7 @@ from loopjax import halting, restore, sharding
 from loopjax.analysis import registry, stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
-from loopjax.lm import answers
+from loopjax.lm import answers, spec
 from loopjax.lm import prompts as prompts_lib
 from loopjax.pretrained import llama
 from loopjax.pretrained.load import resolve
@@ -31,10 +31,10 @@ def prepare(config, workdir):
   prompts = prompts_lib.read(config.data.source, config.data.text_field)
   if config.data.answer_field:
     prompts_lib.answers(config.data.source, config.data.answer_field)  # checked
-    if not registry.shared(registry.LM, config_lib.analyses(config)):
+    if not registry.shared(spec.ANALYSES, config_lib.analyses(config)):
       raise ConfigError(
         "data.answer_field: answers are scored beside the streamed analyses; "
-        f"add one of {', '.join(registry.shared(registry.LM))} to analyze.names"
+        f"add one of {', '.join(spec.SHARED)} to analyze.names"
       )
   opened = restore.language_model(config)
   cfg = opened.cfg
