@@ -113,8 +113,10 @@ def _overflow(report: dict, devices: int) -> str | None:
   name = max(peaks, key=peaks.get)
   if peaks[name] <= cap:
     return None
+  from loopjax import footprint
+
   fields = (
-    "train.batch_size, data.seq_len, mesh, model.remat"
+    footprint.compiled_fields(report["memory"])
     if name == "train step"
     else "eval.batch_size, analyze.batch_size, analyze.max_depth, data.seq_len, mesh"
   )

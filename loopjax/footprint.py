@@ -118,21 +118,24 @@ def check(config, family, task, mesh) -> None:
     )
 
 
+def compiled_fields(memory: dict) -> str:
+  """The fields behind a compiled train step's peak (`compiled.memory`): the
+  model's where its state (the arguments: params and optimizer moments) is a
+  quarter of the peak or more, since the gradient and the update held among
+  the temporaries grow with it too; the batch's otherwise."""
+  if 4 * memory["arguments"] >= memory["peak"]:
+    return "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
+  return "train.batch_size, data.seq_len, mesh, model.remat"
+
+
 def check_compiled(config, memory: dict, mesh) -> None:
   """Raises ConfigError when the compiled step's peak (`compiled.memory`)
-  exceeds the devices' memory, naming the fields that drive its biggest part:
-  the state's shard (arguments, outputs) grows with the model, temporaries
-  with the batch."""
+  exceeds the devices' memory, naming the fields that drive its biggest part."""
   have, what = capacity(mesh)
   if memory["peak"] <= have:
     return
   parts = {k: memory[k] for k in ("arguments", "temporaries", "outputs")}
-  big = max(parts, key=parts.get)
-  fields = (
-    "train.batch_size, data.seq_len, model.remat"
-    if big == "temporaries"
-    else "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
-  )
+  fields = compiled_fields(memory)
   raise ConfigError(
     f"{fields}: the compiled train step needs {memory['peak'] / GIB:.2f} GiB "
     f"per device ({', '.join(f'{k} {v / GIB:.2f}' for k, v in parts.items())}) "

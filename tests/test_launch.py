@@ -340,14 +340,29 @@ def test_aot_compiles_a_retrofit_from_the_models_config_json_alone(tmp_path):
   assert "['adapter']" in out.stdout  # the concat injection's, beside the Llama's
 
 
-@pytest.mark.slow  # ~12 s of compile
-def test_aot_on_cpu_devices_refuses_a_step_larger_than_the_host():
+@pytest.mark.slow  # ~12 s of compile each
+@pytest.mark.parametrize(
+  "flags, fields",
+  [
+    (
+      ["--config.train.batch_size=67108864"],
+      "train.batch_size, data.seq_len, mesh, model.remat",
+    ),
+    (
+      ["--config.model.d_model=65536", "--config.model.num_layers=8"],
+      "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor",
+    ),
+  ],
+)
+def test_aot_on_cpu_devices_refuses_a_step_larger_than_the_host(flags, fields):
   """XLA:CPU compiles any size: a step needing 138 GiB per device (1.1 TB on
-  8) exits 2 naming the fields, against this host's memory."""
-  out = _aot("--devices=8", "--config.train.batch_size=67108864")
+  8) exits 2 against this host's memory, naming the fields behind it: the
+  batch's, or the model's where the state drives the peak (10 TB at d_model
+  65,536)."""
+  out = _aot("--devices=8", *flags)
   assert out.returncode == 2, out.stderr[-2000:]
   assert re.fullmatch(
-    r"error: train\.batch_size, data\.seq_len, mesh, model\.remat: the train step "
+    "error: " + re.escape(fields) + r": the train step "
     r"does not fit this host's memory / 8 CPU devices: its peak is [\d.]+ GiB per "
     r"device, the device has [\d.]+ GiB",
     out.stderr.strip().splitlines()[-1],

@@ -119,7 +119,7 @@ def test_the_step_compiles_once_and_its_memory_is_checked_before_it_runs(
   assert start["step"] == 0 and 0 < start["compile/train_step_peak_gib"] < 1
   monkeypatch.setattr(footprint, "lower_bound", lambda *a: {})  # passes pre-flight
   monkeypatch.setattr(footprint, "capacity", lambda mesh: (2**20, "a 1 MiB device"))
-  says = r"^train.batch_size, data.seq_len, model.remat: the compiled train step "
+  says = r"^train.batch_size, data.seq_len, mesh, model.remat: the compiled train step "
   with pytest.raises(ConfigError, match=says + r"needs .* and a 1 MiB device is"):
     train.train_and_evaluate(tiny_config, tmp_path / "big")
   assert "train/loss" not in (tmp_path / "big/metrics.jsonl").read_text()
