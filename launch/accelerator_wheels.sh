@@ -15,7 +15,7 @@ done
   --implementation cp "${platforms[@]}" -d .whl \
   array_record==0.8.6 dm-tree==0.1.10 docstring_parser==0.18.0 \
   googleapis-common-protos==1.76.0 grain==0.2.18 immutabledict==4.3.1 \
-  importlib_resources==7.1.0 ml_collections==1.1.0 simple-parsing==0.1.9 \
+  importlib_resources==7.1.0 ml_collections==1.1.0 portpicker==1.6.0 simple-parsing==0.1.9 \
   tensorboardX==2.6.5 tensorflow-datasets==4.9.10 tensorflow-metadata==1.21.0 \
   termcolor==3.3.0 toml==0.10.2
 "$python" -m pip wheel -q --no-deps -w .whl promise==2.3  # an sdist only

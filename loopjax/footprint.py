@@ -130,7 +130,7 @@ def compiled_fields(memory: dict) -> str:
 
 def check_compiled(config, memory: dict, mesh) -> None:
   """Raises ConfigError when the compiled step's peak (`compiled.memory`)
-  exceeds the devices' memory, naming the fields that drive its biggest part."""
+  exceeds the devices' memory, naming the fields that drive it (`compiled_fields`)."""
   have, what = capacity(mesh)
   if memory["peak"] <= have:
     return
