@@ -60,6 +60,37 @@ def test_systematicity_paper_is_ltgs_train_systematicity():
   assert c.train.depth.dist == "fixed"
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    out |= _flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v}
+  return out
+
+
+def test_systematicity_paper_cpu_is_ltgs_recipe_at_one_core_size():
+  """`paper_cpu` differs from `paper` in size, lr and length only: a change
+  to LTG's block, optimizer or loss reaches both or neither."""
+  paper, small = (_flat(sysgen.get_config(v).to_dict()) for v in ("paper", "paper_cpu"))
+  config_lib.validate(sysgen.get_config("paper_cpu"))
+  differ = {k for k in paper if paper[k] != small[k]}
+  assert differ == {
+    "variant",
+    "data.num_entities",
+    "data.num_relations",
+    "data.p_test_id",
+    "data.probe_size",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_layers",
+    "model.dtype",
+    "train.num_steps",
+    "train.lr",
+    "checkpoint.every",
+    "checkpoint.keep_every",
+    "eval_every",
+  }
+
+
 def test_extrapolation_paper_is_ltgs_train_extrapolation():
   c = extrapolation.get_config("paper")
   config_lib.validate(c)
