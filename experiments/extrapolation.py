@@ -152,11 +152,16 @@ def sweep(name: str = "regimes"):
   """`regimes`: the default dynamic R (Poisson) against fixed R = 4, 6, 8.
   `accelerators`: the hop curriculum with the grokking accelerators that
   train on composition (Grokfast EMA, StableMax) against none; a stage's
-  fresh optimizer starts a fresh filter (docs/results/grokking_speed.md)."""
+  fresh optimizer starts a fresh filter; three model seeds each
+  (docs/results/grokking_speed.md)."""
   sweeps = {
     "regimes": [{"train.depth.dist": "poisson"}]
     + [{"train.depth.dist": "fixed", "model.num_loops": r} for r in (4, 6, 8)],
-    "accelerators": [{}, {"train.grokfast.kind": "ema"}, {"train.xent": "stablemax"}],
+    "accelerators": [
+      a | {"seed": s}
+      for s in (0, 1, 2)
+      for a in ({}, {"train.grokfast.kind": "ema"}, {"train.xent": "stablemax"})
+    ],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

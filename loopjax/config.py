@@ -115,6 +115,9 @@ def base() -> ml_collections.ConfigDict:
     # GPT-2-style trainers let them (no per-document mask: cuDNN's kernel).
     document_mask=True,
     scan_unroll=8,  # iterations unrolled per scan step (see recurrence.py)
+    # Iterations past a sampled depth (train.depth): skip | mask | auto (skip
+    # on CPU, mask on TPU and GPU; recurrence.py says why).
+    past_depth="auto",
     dtype="float32",
   )
 

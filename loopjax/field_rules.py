@@ -18,6 +18,7 @@ ENUMS = {
   "model.norm_type": ("layernorm", "rmsnorm"),
   "model.init_state": ("embedding", "zeros", "random", "trunc_normal"),
   "model.remat": ("none", "full", "dots"),
+  "model.past_depth": ("auto", "skip", "mask"),
   "model.attention": ATTENTION_KERNELS,
   "model.dtype": ("float32", "bfloat16"),
   "train.schedule": ("constant", "cosine"),

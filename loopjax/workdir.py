@@ -26,6 +26,7 @@ from loopjax.errors import ConfigError, first_line
 RESUMABLE = (
   "model.scan_unroll",  # how the loop is compiled, not what it computes
   "model.remat",
+  "model.past_depth",  # whether skipped iterations run, not what they compute
   "model.attention",  # which kernel computes attention, not what it is
   "train.num_steps",
   "eval_every",

@@ -58,6 +58,7 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     "devices": "ok",
     "step_paper": "ok",
     "step_paper_large_batch": "ok",
+    "depth": "ok",
     "train_sysgen_paper": "ok",
     "lm_step": "ok",
     "attention": "ok",
@@ -72,6 +73,8 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     large["jax"]["tokens_per_s"] > 0
     and large["jax"]["flops"] == 4 * small["jax"]["flops"]
   )
+  depth = {r["regime"]: r for r in parts["depth"]["result"]["rows"]}
+  assert depth["sampled: Poisson(4) in [2, 8]"]["step_s"] > 0
   assert parts["lm_step"]["result"]["jax"]["tokens_per_s"] > 0  # experiments/lm.py
   kernels = {(r["kernel"], r["batch"]) for r in parts["attention"]["result"]["rows"]}
   assert ("blocked", "packed") in kernels and ("xla", "one document") in kernels

@@ -42,6 +42,49 @@ def test_sampled_depth_compiles_once():
   np.testing.assert_allclose(outs[1], recurrence.unroll(step, H0, 3)[0], rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+  "past_depth,platform,skips",
+  [
+    ("skip", "tpu", True),
+    ("mask", "cpu", False),
+    ("auto", "cpu", True),
+    ("auto", "tpu", False),
+  ],
+)
+def test_iterations_past_the_sampled_depth_are_skipped_or_masked(
+  past_depth, platform, skips, monkeypatch
+):
+  """A step that counts its own backward runs: at depth 3 of 8, skipping runs
+  3 (the iterations past it cost nothing) and masking all 8 (computed and
+  discarded); both give fixed R = 3's value and gradient. `auto` skips when
+  compiling for CPU only."""
+  monkeypatch.setattr(recurrence.sharding, "platform", lambda: platform)
+  runs = []
+
+  @jax.custom_vjp
+  def counted(h):
+    return step(h)
+
+  def counted_bwd(h, g):
+    jax.debug.callback(lambda: runs.append(1))
+    return jax.vjp(step, h)[1](g)
+
+  counted.defvjp(lambda h: (step(h), h), counted_bwd)
+
+  def final(h, depth):
+    h, _ = recurrence.unroll(counted, h, 8, depth=depth, past_depth=past_depth)
+    return h.sum()
+
+  value, grad = jax.jit(jax.value_and_grad(final))(H0, jnp.int32(3))
+  jax.effects_barrier()
+  assert len(runs) == (3 if skips else 8)
+  want, want_grad = jax.value_and_grad(
+    lambda h: recurrence.unroll(step, h, 3)[0].sum()
+  )(H0)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-5)
+
+
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_truncated_backprop_counts_only_the_last_k_iterations(masked, k):

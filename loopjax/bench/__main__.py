@@ -13,8 +13,9 @@ same model and optimizer in PyTorch eager (the two timed in alternating
 windows), with the speed ratio. `scaling`:
 compile and step time, and memory with and without remat, across depths R.
 `data`: generation time of a config's dataset (in memory). `depth`: a sampled
-depth (scan to R_max with masks: one program) against fixed R, which is also
-what a cache of one compiled program per depth would run. `halting`: inference
+depth (one program: a scan to R_max whose iterations past the depth are
+skipped) against fixed R, which is also what a cache of one compiled program
+per depth would run. `halting`: inference
 with adaptive halting's `while_loop` against the fixed scan at equal iterations.
 `devices`: what JAX sees and each device's memory. `pretrained`: a pretrained
 family at full size with random weights, its forward and analysis pass
@@ -118,7 +119,7 @@ def bench_scaling(config) -> dict:
 
 
 def bench_depth(config) -> dict:
-  """Masked sampled depth vs fixed R, per-depth compile cache, truncated backprop."""
+  """Sampled depth vs fixed R, per-depth compile cache, truncated backprop."""
   dd = dict(dist="poisson", mean=4.0, min=2, max=8, sigma=0.5)
   keys = jax.random.split(jax.random.key(0), 10_000)
   draws = np.asarray(
@@ -146,8 +147,8 @@ def bench_depth(config) -> dict:
     sum(fixed[d]["compile_s"] for d in p),
     sum(p[d] * fixed[d]["step_s"] for d in p),  # expected over sampled depths
   )
-  run("masked: Poisson(4) in [2, 8]", train={"depth": dd})
-  run("masked + backprop last 2", train={"depth": dd, "backprop_depth": 2})
+  run("sampled: Poisson(4) in [2, 8]", train={"depth": dd})
+  run("sampled + backprop last 2", train={"depth": dd, "backprop_depth": 2})
   return {"size": config.get("size"), "depth": dd, "p_depth": p, "rows": rows}
 
 

@@ -309,6 +309,7 @@ class LoopedTransformer(nnx.Module):
       else None,
       depth=depth,
       grad_depth=grad_depth,
+      past_depth=self.cfg.past_depth,
     )
     if hidden:
       return self.coda_out(h_BTD, segments_BT)
