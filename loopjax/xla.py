@@ -11,7 +11,8 @@ glibc's allocator is told to keep freed memory (`keep_freed_memory`): by
 default it returns every block over its mmap threshold to the OS, and the next
 step's buffers fault their pages in again, zeroed by the kernel; a d 64 looped
 model spent ~40% of its time in the kernel doing that and trains ~1.7x faster
-without it (docs/performance.md).
+without it, a d 128 one (temporaries of 0.17-0.26 GiB, allocated by XLA's
+worker threads) 1.5-2.3x (docs/performance.md).
 
 On a host with no accelerator device, JAX_PLATFORMS (unless set) is `cpu`:
 JAX would otherwise start the CUDA plugin or libtpu that the `targets` extra
@@ -37,14 +38,18 @@ def has_accelerator() -> bool:
 def keep_freed_memory() -> None:
   """Blocks up to 1 GiB come from (and go back to) the heap, which is trimmed
   only past 1 GiB free: the steady state of a training loop reuses its pages.
-  A no-op without glibc."""
+  One arena for every thread: a thread's own arena is a heap of at most 64
+  MiB, so a larger block allocated by one of XLA's worker threads (a step's
+  temporaries) would be mmapped and unmapped every step whatever the
+  threshold. Call before threads start. A no-op without glibc."""
   try:
     libc = ctypes.CDLL("libc.so.6")
   except OSError:
     return
-  m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+  m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8  # malloc.h
   libc.mallopt(m_mmap_threshold, 1 << 30)  # not 32 MiB: XLA's buffers exceed it
   libc.mallopt(m_trim_threshold, 1 << 30)
+  libc.mallopt(m_arena_max, 1)
 
 
 def apply_defaults() -> None:
