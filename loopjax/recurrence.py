@@ -6,9 +6,9 @@ traced scalar: the scan runs to R_max and leaves the state as it is past
 the depth, so no value of it recompiles. `past_depth` says how: "skip" (a
 `lax.cond` per iteration: the iterations past the depth run neither forward
 nor backward) or "mask" (`jnp.where(r < depth, step(h), h)`: computed and
-discarded). On XLA:CPU skipping is 1.7x faster at Poisson(4) in [2, 8]; on a
-TPU the conditionals' residuals and per-iteration gradient all-reduces cost
-4x the memory (docs/performance.md), so "auto" skips on CPU only.
+discarded). On XLA:CPU skipping is 1.7x faster at Poisson(4) in [2, 8]; for
+a TPU slice it compiles to 4x the memory and 9x the all-reduces
+(docs/performance.md), so "auto" skips on CPU only.
 `sample_depth` draws it per batch (Poisson, or Huginn's log-normal Poisson).
 """
 

@@ -74,7 +74,10 @@ def test_smoke_runs_every_part_on_the_cpu(tmp_path):
     and large["jax"]["flops"] == 4 * small["jax"]["flops"]
   )
   depth = {r["regime"]: r for r in parts["depth"]["result"]["rows"]}
-  assert depth["sampled: Poisson(4) in [2, 8]"]["step_s"] > 0
+  assert all(
+    depth[f"sampled ({h}): Poisson(4) in [2, 8]"]["step_s"] > 0
+    for h in ("skip", "mask")
+  )
   assert parts["lm_step"]["result"]["jax"]["tokens_per_s"] > 0  # experiments/lm.py
   kernels = {(r["kernel"], r["batch"]) for r in parts["attention"]["result"]["rows"]}
   assert ("blocked", "packed") in kernels and ("xla", "one document") in kernels

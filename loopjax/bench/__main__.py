@@ -14,8 +14,8 @@ windows), with the speed ratio. `scaling`:
 compile and step time, and memory with and without remat, across depths R.
 `data`: generation time of a config's dataset (in memory). `depth`: a sampled
 depth (one program: a scan to R_max whose iterations past the depth are
-skipped) against fixed R, which is also what a cache of one compiled program
-per depth would run. `halting`: inference
+skipped, or masked) against fixed R, which is also what a cache of one
+compiled program per depth would run. `halting`: inference
 with adaptive halting's `while_loop` against the fixed scan at equal iterations.
 `devices`: what JAX sees and each device's memory. `pretrained`: a pretrained
 family at full size with random weights, its forward and analysis pass
@@ -127,11 +127,11 @@ def bench_depth(config) -> dict:
   )
   p = {d: float((draws == d).mean()) for d in range(dd["min"], dd["max"] + 1)}
   rows = []
-  print(f"{'regime':34}{'compile s':>11}{'step ms':>9}")
+  print(f"{'regime':40}{'compile s':>11}{'step ms':>9}")
 
   def row(name, compile_s, step_s):
     rows.append({"regime": name, "compile_s": compile_s, "step_s": step_s})
-    print(f"{name:34}{compile_s:11.2f}{step_s * 1e3:9.2f}")
+    print(f"{name:40}{compile_s:11.2f}{step_s * 1e3:9.2f}")
     return rows[-1]
 
   def run(name, model=None, train=None):
@@ -147,7 +147,8 @@ def bench_depth(config) -> dict:
     sum(fixed[d]["compile_s"] for d in p),
     sum(p[d] * fixed[d]["step_s"] for d in p),  # expected over sampled depths
   )
-  run("sampled: Poisson(4) in [2, 8]", train={"depth": dd})
+  for how in ("skip", "mask"):  # model.past_depth, whatever auto picks here
+    run(f"sampled ({how}): Poisson(4) in [2, 8]", {"past_depth": how}, {"depth": dd})
   run("sampled + backprop last 2", train={"depth": dd, "backprop_depth": 2})
   return {"size": config.get("size"), "depth": dd, "p_depth": p, "rows": rows}
 

@@ -150,8 +150,9 @@ def parts(smoke: bool, scratch: pathlib.Path) -> list[Part]:
       t(120, 150),
       _bench("step", f"{bench}:{size}", *step_overrides, large_batch),
     ),
-    # A sampled depth skips iterations with a conditional per iteration; on a
-    # GPU each may cost a sync, so the tiny model (launch-bound) is the test.
+    # Skipping the iterations past a sampled depth (a conditional each) against
+    # masking them: on a GPU a conditional may cost a sync, and the tiny model
+    # (launch-bound) is where that shows.
     Part("depth", t(120, 150), _bench("depth", f"{bench}:default", *step_overrides)),
     Part(
       "train_sysgen_paper",
