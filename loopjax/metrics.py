@@ -2,6 +2,8 @@
 training run's progress display."""
 
 import json
+import socket
+import struct
 import sys
 import time
 from pathlib import Path
@@ -27,15 +29,13 @@ class Writer:
     self.enabled = sharding.writes()
     self.tb_section = tb_section
     if self.enabled:
-      from tensorboardX import SummaryWriter  # heavy import, process 0 only
-
       jsonl.parent.mkdir(parents=True, exist_ok=True)
       _drop_partial_line(jsonl)
       self._jsonl = open(jsonl, "a")
       # Its own event file (names hold only the second and the host): the
       # trainer's and an evaluation job's may start in the same second.
       suffix = "" if tb_section is None else f".{tb_section}"
-      self._tb = SummaryWriter(str(tb_dir), filename_suffix=suffix)
+      self._tb = _EventFile(tb_dir, suffix, flush_s=0 if tb_section else 30)
 
   def start(self, step: int) -> None:
     if self.enabled:
@@ -52,12 +52,14 @@ class Writer:
     if not self.enabled:
       return
     scalars = {k: float(np.asarray(v)) for k, v in scalars.items()}
-    for k, v in scalars.items():
-      if self.tb_section is not None:
-        k = f"{self.tb_section}/{k.removeprefix('eval/')}"
-      self._tb.add_scalar(k, v, step)
-    if self.tb_section is not None:
-      self._tb.flush()
+    section = self.tb_section
+    self._tb.write(
+      step,
+      {
+        f"{section}/{k.removeprefix('eval/')}" if section else k: v
+        for k, v in scalars.items()
+      },
+    )
     self._line({"step": step, "time": time.time(), **scalars})
 
   def _line(self, record: dict) -> None:
@@ -72,21 +74,55 @@ class Writer:
     errors = []
     for close in (self._jsonl.close, self._tb.close):
       try:
-        close()
+        close()  # a file whose flush fails is closed all the same
       except OSError as e:
         errors.append(e)
     if errors:
-      _abandon(self._tb)
       raise errors[0]
 
 
-def _abandon(tb) -> None:
-  """Stops a SummaryWriter whose close failed: its worker thread, and the
-  flush it would retry at exit (each would print a traceback)."""
-  events = tb.file_writer.event_writer
-  if events._worker is not None:
-    events._worker.stop()
-  events._closed = True
+class _EventFile:
+  """A TensorBoard event file (TFRecord-framed `Event` protos), written in the
+  caller's thread. tensorboardX's SummaryWriter writes from a thread of its
+  own: on a full disk that thread dies and the next `add_scalar` waits on its
+  queue for ever; here the error reaches the training loop like any other.
+  `flush_s`: seconds between flushes (0: every write, for an evaluation job's
+  points)."""
+
+  def __init__(self, tb_dir: Path, suffix: str, flush_s: float):
+    from tensorboardX.proto import event_pb2, summary_pb2  # heavy: process 0
+
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+    tb_dir.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}{suffix}"
+    self._file, self._flush_s, self._flushed = open(tb_dir / name, "ab"), flush_s, now
+    self._append(self._event(wall_time=now, file_version="brain.Event:2"))
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
+    now = time.time()
+    self._append(
+      self._event(wall_time=now, step=step, summary=self._summary(value=values))
+    )
+    if now - self._flushed >= self._flush_s:
+      self._file.flush()
+      self._flushed = now
+
+  def _append(self, event) -> None:
+    from tensorboardX.record_writer import masked_crc32c
+
+    data = event.SerializeToString()
+    header = struct.pack("<Q", len(data))
+    self._file.write(
+      header
+      + struct.pack("<I", masked_crc32c(header))
+      + data
+      + struct.pack("<I", masked_crc32c(data))
+    )
+
+  def close(self) -> None:
+    self._file.close()
 
 
 def _drop_partial_line(path: Path) -> None:

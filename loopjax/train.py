@@ -163,7 +163,13 @@ def train_and_evaluate(config, workdir) -> dict:
   wd.check_writable()
   with wd.exclusive("train"):
     reached = fork.phases() if fork else {}  # a fork's: the source's, up to it
-    wd.record(config, task, family.phase_names(config), dataset, reached)
+    try:
+      wd.record(config, task, family.phase_names(config), dataset, reached)
+    except OSError as e:  # a full disk before the first step: no checkpoint yet
+      raise RunStopped(
+        f"writing in {wd.path}: {first_line(e, 200)}; the run stopped before "
+        "its first step"
+      ) from e
     mngr = wd.checkpoints(config.checkpoint)
     train_iter = family.train_iterator(config, task, rows)
     if fork is None and not mngr.all_steps():  # fresh: model.init_from's params

@@ -244,14 +244,15 @@ def _file_size_limit(kib, cmd):
   return ["bash", "-c", 'trap "" XFSZ; ulimit -f "$0"; exec "$@"', str(kib), *cmd]
 
 
-# ~15 s: three runs as processes.
+# ~20 s: four runs as processes.
 @pytest.mark.slow
 def test_a_full_disk_under_the_logs_is_one_line_not_masked_by_clean_up(
   tiny_config, tmp_path
 ):
   """Every write fails (metrics, TensorBoard, then clean-up's own): the error
   that stopped the run is the one line, with the workdir; no traceback. The
-  data set cannot be written either: one line naming data.data_dir."""
+  data set cannot be written either: one line naming data.data_dir; nor the
+  run's config.json: one line, before the first step."""
   workdir = tmp_path / "run"
   data_dir = tiny_config.data.data_dir
   proc = run(_file_size_limit(4, cli(workdir, data_dir)))
@@ -264,9 +265,15 @@ def test_a_full_disk_under_the_logs_is_one_line_not_masked_by_clean_up(
   assert "Traceback" not in proc.stderr
   data_only = run(cli(tmp_path / "data_only", data_dir, "--config.train.num_steps=1"))
   assert data_only.returncode == 0, data_only.stderr[-2000:]
+  proc = run(_file_size_limit(1, cli(workdir, data_dir)))  # config.json: > 1 KiB
+  assert proc.returncode == 1, proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+  assert line.startswith(f"error: writing in {workdir}: [Errno 27] File too large")
+  assert line.endswith("the run stopped before its first step"), line
   proc = run(
     _file_size_limit(
-      4,
+      16,  # config.json fits (~4 KiB); the logs outgrow it
       cli(
         workdir, tiny_config.data.data_dir, "--config.train.num_steps=400",
         "--config.log_every=1", "--config.checkpoint.every=1000",

@@ -3,6 +3,8 @@
 import json
 import shutil
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -152,3 +154,61 @@ def test_a_line_cut_short_by_a_kill_is_dropped_before_appending(tmp_path):
     (20, 1.0),
     (40, 2.0),
   ]
+
+
+def _events(path):
+  """The Event protos of a TFRecord file, each record's two checksums checked."""
+  from tensorboardX.proto.event_pb2 import Event
+  from tensorboardX.record_writer import masked_crc32c
+
+  data, events = path.read_bytes(), []
+  while data:
+    (n,) = struct.unpack("<Q", data[:8])
+    assert struct.unpack("<I", data[8:12])[0] == masked_crc32c(data[:8])
+    body, data = data[12 : 12 + n], data[12 + n :]
+    assert struct.unpack("<I", data[:4])[0] == masked_crc32c(body)
+    events.append(Event.FromString(body))
+    data = data[4:]
+  return events
+
+
+@pytest.mark.parametrize("section", [None, "eval_job"])
+def test_tensorboard_points_are_whole_records_with_their_tags(tmp_path, section):
+  writer = metrics.Writer(tmp_path / "m.jsonl", tmp_path / "tb", tb_section=section)
+  writer.write(20, {"loss": 2.5, "eval/acc": 0.25})
+  writer.write(40, {"loss": 1.5, "eval/acc": 0.75})
+  if section:  # an evaluation job's points are on disk at once
+    (path,) = (tmp_path / "tb").iterdir()
+    assert len(_events(path)) == 3
+  writer.close()
+  (path,) = (tmp_path / "tb").iterdir()
+  assert path.name.endswith(f".{section}" if section else socket.gethostname())
+  header, *points = _events(path)
+  assert header.file_version == "brain.Event:2"
+  loss, acc = (f"{section}/loss", f"{section}/acc") if section else ("loss", "eval/acc")
+  assert [
+    (e.step, {v.tag: v.simple_value for v in e.summary.value}) for e in points
+  ] == [
+    (20, {loss: 2.5, acc: 0.25}),
+    (40, {loss: 1.5, acc: 0.75}),
+  ]
+
+
+def test_a_full_disk_under_tensorboard_raises_in_the_writers_thread(tmp_path):
+  """tensorboardX's SummaryWriter wrote from a thread of its own, which died on
+  this while the next points waited for it for ever. The JSONL file goes to
+  /dev/null (no size limit) so that the event file is the one to fill."""
+  script = (
+    "import sys; from pathlib import Path; from loopjax import metrics\n"
+    "w = metrics.Writer(Path('/dev/null'), Path(sys.argv[1]))\n"
+    "try:\n"
+    "  for step in range(1000): w.write(step, {'a': 1.0, 'b': 2.0})\n"
+    "except OSError as e: print(e.errno)\n"
+  )
+  limited = f'trap "" XFSZ; ulimit -f 4; exec {sys.executable} -c "$0" "$1"'
+  proc = subprocess.run(
+    ["bash", "-c", limited, script, str(tmp_path / "tb")],
+    capture_output=True, text=True, env=CPU_ENV, timeout=60,
+  )  # fmt: skip
+  assert proc.stdout.strip() == "27", proc.stderr[-2000:]  # EFBIG, no hang
+  assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
