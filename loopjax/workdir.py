@@ -39,6 +39,7 @@ RESUMABLE = (
   "mesh",  # a checkpoint restores on any mesh: where the math runs, not what
   "sharding",
   "compile_cache",  # where compiled programs are kept, not what they compute
+  "variant",  # a preset's name: the fields it sets are compared one by one
 )
 
 

@@ -8,7 +8,7 @@ from test_model import V, inputs, model_cfg
 
 from experiments import extrapolation, sysgen
 from loopjax import config as config_lib
-from loopjax import train
+from loopjax import train, workdir
 from loopjax.kg import curriculum
 from loopjax.state import build_model, make_optimizer, train_state
 
@@ -89,6 +89,36 @@ def test_systematicity_paper_cpu_is_ltgs_recipe_at_one_core_size():
     "checkpoint.keep_every",
     "eval_every",
   }
+
+
+def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
+  """`long` differs from `cpu` in model size, depth range, schedule and
+  length only, and it resumes a run started as `cpu` with those flags (the
+  variant's name is no conflict)."""
+  cpu, long = (extrapolation.get_config(v) for v in ("cpu", "long"))
+  config_lib.validate(long)
+  flat_cpu, flat_long = _flat(cpu.to_dict()), _flat(long.to_dict())
+  assert {k for k in flat_cpu if flat_cpu[k] != flat_long[k]} == {
+    "variant",
+    "model.d_model",
+    "model.num_heads",
+    "model.num_layers",
+    "train.depth.max",
+    "train.num_steps",
+    "train.schedule",
+    "train.decay_steps",
+    "eval.depths",
+    "checkpoint.keep_every",
+    "eval_every",
+  }
+  # the long runs' command line: `cpu` and flags
+  cpu.model.update(d_model=128, num_heads=8, num_layers=2)
+  cpu.train.depth.max = 12
+  cpu.train.update(num_steps=500_000, schedule="cosine", decay_steps=150_000)
+  cpu.update(eval_every=2000)
+  cpu.eval.depths, cpu.checkpoint.keep_every = (8, 10, 12, 16, 24), 10_000
+  assert workdir.conflicts(cpu.to_dict(), long.to_dict()) == []
+  assert _flat(cpu.to_dict()) == flat_long | {"variant": "cpu"}
 
 
 def test_extrapolation_paper_is_ltgs_train_extrapolation():
