@@ -82,6 +82,11 @@ def base() -> ml_collections.ConfigDict:
     # Llama 3.1's RoPE rescaling (Llama 3.2, retrofitted from it): (factor,
     # low_freq_factor, high_freq_factor, original context length); (): none
     rope_llama3=(),
+    # Randomized positions (Ruoss et al. 2023), knowledge-graph tasks with
+    # rope: 0 = positions 0..T-1; P = each sequence's T positions drawn
+    # without replacement from [0, P) and sorted, in training and evaluation,
+    # so longer chains keep relative offsets seen in training.
+    random_positions=0,
     embed_scale=1.0,  # token embeddings x this (Huginn: sqrt(d_model))
     injection="none",
     norm_position="pre",
@@ -402,6 +407,11 @@ def _validate_model(m) -> None:
     raise ConfigError(
       f"model.num_heads: rope needs an even head dimension (d_model / num_heads); "
       f"got {m.d_model} / {m.num_heads}"
+    )
+  if m.random_positions and m.pos_encoding != "rope":
+    raise ConfigError(
+      f"model.random_positions: must be 0 unless model.pos_encoding is 'rope' "
+      f"(the positions it draws rotate queries and keys); got {m.random_positions}"
     )
   if m.injection == "none" and m.init_state != "embedding":
     raise ConfigError(

@@ -131,6 +131,7 @@ BOUNDS = {
   "model.rope_theta": (lambda v: v > 1 and math.isfinite(v), "must be > 1"),
   "model.embed_scale": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
   "model.init_state_std": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
+  "model.random_positions": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
   "model.rope_llama3": (
     llama3_ok,
     "must be () or (factor >= 1, low_freq_factor > 0, high_freq_factor > "

@@ -180,10 +180,11 @@ def adaptive(
   rule.check(model.cfg, "analyze.halting.criteria")
   limits = rule.limits(rule.seq_len or tokens_BT.shape[1])
   per_token = answer_pos_B is None
-  x_BTD, h_BTD = model.encode(tokens_BT, key)
+  pos_BT = model.positions(tokens_BT, key)
+  x_BTD, h_BTD = model.encode(tokens_BT, key, pos_BT=pos_BT)
 
   def answer(h_BTD):
-    return jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B))
+    return jax.nn.log_softmax(model.readout(h_BTD, answer_pos_B, pos_BT=pos_BT))
 
   def exit_logit(h_BTD):
     if rule.criterion != "gate":  # a model without a gate has none to read
@@ -209,7 +210,7 @@ def adaptive(
     return (c.t < r_max) & ~c.halted.all()
 
   def one(c):
-    h_new = model.core_step(c.h, x_BTD)
+    h_new = model.core_step(c.h, x_BTD, pos_BT=pos_BT)
     logp_new = answer(h_new)
     running = c.t < r_max  # False for an unrolled iteration past r_max
     t = c.t + running

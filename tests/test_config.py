@@ -34,6 +34,8 @@ BAD = [
   ("train.backprop_depth", 2, "train.backprop_depth: needs model.injection add"),
   ("data.seed", -1, "data.seed: must be >= 0"),
   ("train.supervise", "all", "train.supervise: must be one of last, from_hops"),
+  ("model.random_positions", -1, "model.random_positions: must be >= 0"),
+  ("model.random_positions", 8, "model.random_positions: must be 0 unless model.pos"),
 ]
 
 
@@ -57,6 +59,7 @@ BAD_CHAINS = [
   ("mesh.tensor", 0, "mesh: data, fsdp and tensor must be >= 1"),
   ("sharding.rules", (("embed", "model"),), "sharding.rules: each must be"),
   ("model.num_heads", 64, "model.num_heads: rope needs an even head dimension"),
+  ("model.random_positions", 12, "model.random_positions: must be 0 or >= the longest"),
 ]
 
 

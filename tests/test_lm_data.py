@@ -214,6 +214,7 @@ def test_a_tokenizer_of_another_size_is_refused(lm_config, tmp_path):
     ("model.mlp_type", "relu", "must be one of gelu, swiglu"),
     ("model.rope_pairing", "odd", "must be one of half, interleaved"),
     ("model.norm_eps", 0.0, "must be in \\(0, 1\\)"),
+    ("model.random_positions", 64, "must be 0 for data.task 'lm'"),
   ],
 )
 def test_lm_config_errors(lm_config, field, value, message):

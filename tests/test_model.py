@@ -169,6 +169,54 @@ def test_rope_scores_depend_on_relative_position_only():
   np.testing.assert_allclose(rope(pad.at[:, 0].set(q[:, 0]))[:, 0], q[:, 0])
 
 
+def test_random_positions_are_sorted_distinct_keyed_draws_in_range():
+  model = build_model(model_cfg(pos_encoding="rope", random_positions=16), V, T, 0)
+  tokens_BT = jnp.zeros((64, T), jnp.int32)
+  pos_BT = np.asarray(model.positions(tokens_BT, jax.random.key(3)))
+  assert pos_BT.shape == (64, T) and (np.diff(pos_BT, axis=1) > 0).all()
+  assert pos_BT.min() >= 0 and pos_BT.max() < 16 and pos_BT.max() > T
+  assert len({tuple(r) for r in pos_BT}) > 50  # a draw per row
+  again = model.positions(tokens_BT, jax.random.key(3))
+  np.testing.assert_array_equal(again, pos_BT)
+  assert not np.array_equal(model.positions(tokens_BT, jax.random.key(4)), pos_BT)
+  with pytest.raises(ValueError, match="random_positions draws positions: pass a key"):
+    model(tokens_BT[:1], jnp.zeros((1,), jnp.int32))
+
+
+def test_random_positions_reach_every_attention_layer():
+  """The drawn positions rotate queries and keys in the prelude, every core
+  iteration and the coda: the forward equals the layers applied by hand at
+  those positions, and differs from positions 0..T-1. With P = T the only
+  draw is 0..T-1: the plain model's output exactly."""
+  cfg = dict(
+    pos_encoding="rope", injection="add", num_prelude=1, num_coda=1, init_std=0.5
+  )  # weights large enough that attention depends on the positions
+  model = build_model(model_cfg(random_positions=11, **cfg), V, T, 0)
+  tokens_BT, answer_B = inputs()
+  key = jax.random.key(5)
+  pos_BT = model.positions(tokens_BT, key)
+  x_BTD = model.prelude[0](model.embed_tokens(tokens_BT), pos_BT=pos_BT)
+  h_BTD = model.initial_state(x_BTD, key)
+  for _ in range(3):
+    h_BTD = model.core[0](h_BTD + x_BTD, pos_BT=pos_BT)
+  h_BD = model.coda[0](h_BTD, pos_BT=pos_BT)[jnp.arange(B), answer_B]
+  logits_BV = model(tokens_BT, answer_B, key=key)
+  np.testing.assert_allclose(logits_BV, model.logits(h_BD), rtol=1e-5, atol=1e-5)
+  trace = model.trace(tokens_BT, 3, key)
+  np.testing.assert_allclose(
+    trace["coda"]["hidden"][0],
+    model.coda[0](h_BTD, pos_BT=pos_BT),
+    rtol=1e-5,
+    atol=1e-5,
+  )
+  plain = build_model(model_cfg(**cfg), V, T, 0)
+  assert not np.allclose(plain(tokens_BT, answer_B, key=key), logits_BV, atol=1e-3)
+  whole = build_model(model_cfg(random_positions=T, **cfg), V, T, 0)
+  np.testing.assert_allclose(
+    whole(tokens_BT, answer_B, key=key), plain(tokens_BT, answer_B), atol=1e-6
+  )
+
+
 def test_elementwise_attention_equals_einsum_attention():
   from loopjax.model.layers import attend, attention_probs
 

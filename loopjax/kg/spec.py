@@ -33,6 +33,16 @@ def _generated(c, fields: str, what: str, n: int) -> None:
     )
 
 
+def _random_positions(c, longest: int) -> None:
+  """`model.random_positions` draws a sequence's positions from [0, P)."""
+  P = c.model.random_positions
+  if P and P < longest:
+    raise ConfigError(
+      f"model.random_positions: must be 0 or >= the longest sequence ({longest} "
+      f"tokens), the range a sequence's positions are drawn from; got {P}"
+    )
+
+
 def composition(c) -> None:
   """The fields a 2-hop composition run reads (config.validate)."""
   _kg_source(c)
@@ -46,6 +56,7 @@ def composition(c) -> None:
       f"data.out_degree: must be <= data.num_relations "
       f"({d.num_relations}); got {d.out_degree}"
     )
+  _random_positions(c, 3)
   numbers = d.num_entities * max(d.out_degree**2, d.num_relations)
   fields = "data.num_entities, data.out_degree"
   _generated(c, fields, "numbers (E * D^2 chains)", numbers)
@@ -70,6 +81,7 @@ def chains(c) -> None:
       f"data.max_hops + 2 = {d.max_hops + 2} (a pad column after every chain); "
       f"got {d.pad_to}"
     )
+  _random_positions(c, max(d.max_hops + 1, d.pad_to))
   if d.train_per_hop < 1 or d.test_per_hop < 0:
     field = "train_per_hop" if d.train_per_hop < 1 else "test_per_hop"
     raise ConfigError(

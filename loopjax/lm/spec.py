@@ -51,6 +51,11 @@ def check(c) -> None:
       "train.supervise: must be 'last' with no train.label_smoothing for "
       f"data.task 'lm'; got {c.train.supervise!r}, {c.train.label_smoothing!r}"
     )
+  if c.model.random_positions:
+    raise ConfigError(
+      "model.random_positions: must be 0 for data.task 'lm' (decoding counts "
+      f"positions from its cache); got {c.model.random_positions}"
+    )
   if not (0 <= c.train.z_loss < 1):
     raise ConfigError(f"train.z_loss: must be in [0, 1); got {c.train.z_loss!r}")
   if c.train.xent != "softmax":

@@ -75,23 +75,26 @@ def rope(
   pairing: str = "half",
   llama3=(),
   start_B=None,
+  pos_BT=None,
 ):
   """Rotary position embedding (Su et al. 2021): rotates pairs of dimensions by
   position-dependent angles, so q.k depends on positions only through their
   difference (chains longer than any trained on keep familiar offsets).
   `offset`: the position of the first token (decoding with a cache; traced);
   `start_B`: each row's first real slot (left-padded prompts), from which its
-  positions count.
+  positions count; `pos_BT`: each row's positions given whole (B, T)
+  (`model.random_positions`).
   `pairing`: which dimensions rotate together, (i, i + H/2) ("half": Llama,
   GPT-NeoX) or (2i, 2i + 1) ("interleaved": the original, Huginn); `llama3`:
   see `rope_frequencies`."""
   T, H = x_BTNH.shape[1], x_BTNH.shape[3]
   freq_F = rope_frequencies(H, base, llama3)
-  if isinstance(offset, int) and start_B is None:  # folded at trace time
+  if isinstance(offset, int) and start_B is None and pos_BT is None:  # folded
     angle_TF = (offset + np.arange(T))[:, None] * freq_F[None]
     cos, sin = (f[None, :, None] for f in (np.cos(angle_TF), np.sin(angle_TF)))
   else:
-    pos_BT = positions(offset, T, start_B)
+    if pos_BT is None:
+      pos_BT = positions(offset, T, start_B)
     angle_BTF = pos_BT[..., None] * freq_F[None, None]
     cos, sin = (f[:, :, None] for f in (jnp.cos(angle_BTF), jnp.sin(angle_BTF)))
   cos, sin = (f.astype(x_BTNH.dtype) for f in (cos, sin))
@@ -146,7 +149,7 @@ class Attention(nnx.Module):
     )
     self.bo = zeros(rngs, (d,), ("embed",))
 
-  def _qkv(self, x_BTD, offset=0, start_B=None):
+  def _qkv(self, x_BTD, offset=0, start_B=None, pos_BT=None):
     """q (B, T, N, H) and k, v (B, T, K, H), rotated where rotary."""
     B, T, D = x_BTD.shape
     x_MD = x_BTD.reshape(B * T, D)
@@ -165,8 +168,9 @@ class Attention(nnx.Module):
       q_BTNH = self.q_norm(q_BTNH.reshape(B, T, -1)).reshape(q_BTNH.shape)
       k_BTKH = self.k_norm(k_BTKH.reshape(B, T, -1)).reshape(k_BTKH.shape)
     if self.rotary:
-      q_BTNH = rope(q_BTNH, offset=offset, start_B=start_B, **self.rope)
-      k_BTKH = rope(k_BTKH, offset=offset, start_B=start_B, **self.rope)
+      at = dict(offset=offset, start_B=start_B, pos_BT=pos_BT)
+      q_BTNH = rope(q_BTNH, **at, **self.rope)
+      k_BTKH = rope(k_BTKH, **at, **self.rope)
     return q_BTNH, k_BTKH, v_BTKH
 
   def _out(self, out_BTNH):
@@ -205,13 +209,14 @@ class Attention(nnx.Module):
     )
     return self._out(out_BTNH), kv
 
-  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
+  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None, pos_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the weights, (B, N, T, S).
     `segments_BT`: a query attends only to keys of its own segment (packed
-    documents); None: to every earlier position."""
+    documents); None: to every earlier position. `pos_BT`: rotary positions
+    per row (None: 0..T-1)."""
     T = x_BTD.shape[1]
     segments_BT = segments_BT if self.document_mask else None
-    q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD)
+    q_BTNH, k_BSKH, v_BSKH = self._qkv(x_BTD, pos_BT=pos_BT)
     elementwise = T <= ELEMENTWISE_MAX_LEN
     if elementwise or with_probs:
       same_BTS = (
@@ -313,10 +318,11 @@ class Block(nnx.Module):
     if self.position in ("sandwich", "residual"):
       self.norm1_out, self.norm2_out = norm(), norm()
 
-  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None):
+  def __call__(self, x_BTD, with_probs: bool = False, segments_BT=None, pos_BT=None):
     """(B, T, D) -> (B, T, D); with_probs: also the attention weights."""
     x_BTD, probs = self._apply(
-      x_BTD, lambda y: _split(self.attn(y, with_probs, segments_BT), with_probs)
+      x_BTD,
+      lambda y: _split(self.attn(y, with_probs, segments_BT, pos_BT), with_probs),
     )
     return (x_BTD, probs) if with_probs else x_BTD
 

@@ -92,17 +92,35 @@ class LoopedTransformer(nnx.Module):
       return (z * self.cfg.init_state_std).astype(x_BTD.dtype)
     return jax.random.normal(key, x_BTD.shape, x_BTD.dtype)  # Huginn-style
 
-  def encode(self, tokens_BT, key=None, segments_BT=None):
-    """(x_BTD, h_BTD): the input the core sees each iteration, and its first state."""
-    x_BTD = self._unlooped(self.prelude, self.embed_tokens(tokens_BT), segments_BT)
+  def positions(self, tokens_BT, key):
+    """Each row's rotary positions (B, T), or None (0..T-1): with
+    `random_positions` P, T distinct positions in [0, P) drawn per row and
+    sorted (Ruoss et al. 2023), in training and evaluation alike, so a chain
+    longer than any trained on is read at relative offsets seen in training.
+    The draw is keyed by `key` folded with 2 (1: the sampled depth)."""
+    P = self.cfg.random_positions
+    if not P:
+      return None
+    if key is None:
+      raise ValueError("model.random_positions draws positions: pass a key")
+    B, T = tokens_BT.shape
+    u_BP = jax.random.uniform(jax.random.fold_in(key, 2), (B, P))
+    return jnp.sort(jnp.argsort(u_BP, -1)[:, :T], -1)
+
+  def encode(self, tokens_BT, key=None, segments_BT=None, pos_BT=None):
+    """(x_BTD, h_BTD): the input the core sees each iteration, and its first
+    state; `pos_BT`: rotary positions (`positions`)."""
+    x_BTD = self._unlooped(
+      self.prelude, self.embed_tokens(tokens_BT), segments_BT, pos_BT
+    )
     return x_BTD, self.initial_state(x_BTD, key)
 
-  def _unlooped(self, blocks, h_BTD, segments_BT):
+  def _unlooped(self, blocks, h_BTD, segments_BT, pos_BT=None):
     """h through the prelude's or coda's `blocks`, each rematerialized in its
     backward pass by `remat`'s policy as the core's iterations are (with
     "full": `lm.py:gpu`'s temporaries per H200, 1.65 -> 1.26 GiB)."""
     for block in blocks:
-      apply = lambda h, block=block: block(h, segments_BT=segments_BT)  # noqa: E731
+      apply = lambda h, block=block: block(h, segments_BT=segments_BT, pos_BT=pos_BT)  # noqa: E731
       if self.cfg.remat != "none":
         apply = jax.checkpoint(apply, policy=recurrence.REMAT_POLICIES[self.cfg.remat])
       h_BTD = apply(h_BTD)
@@ -119,15 +137,17 @@ class LoopedTransformer(nnx.Module):
       ) @ self.adapter + self.adapter_b.reshape(*lead, -1)
     return h_BTD
 
-  def core_step(self, h_BTD, x_BTD, with_probs: bool = False, segments_BT=None):
+  def core_step(
+    self, h_BTD, x_BTD, with_probs: bool = False, segments_BT=None, pos_BT=None
+  ):
     """One iteration of the shared core, with the input injected first;
     with_probs: also each layer's output and attention weights (`trace`)."""
     h_BTD = sharding.constrain(self.inject(h_BTD, x_BTD), ("batch", None, None))
     if with_probs:
-      h_BTD, layers = _traced(self.core, h_BTD, segments_BT)
+      h_BTD, layers = _traced(self.core, h_BTD, segments_BT, pos_BT)
       return self.end_iteration(h_BTD), layers
     for block in self.core:
-      h_BTD = block(h_BTD, segments_BT=segments_BT)
+      h_BTD = block(h_BTD, segments_BT=segments_BT, pos_BT=pos_BT)
     return self.end_iteration(h_BTD)
 
   def end_iteration(self, h_BTD):
@@ -163,14 +183,14 @@ class LoopedTransformer(nnx.Module):
     norm where `coda_norm` (Huginn applies its final norm twice)."""
     return self.norm(h_BTD) if self.cfg.coda_norm else h_BTD
 
-  def coda_out(self, h_BTD, segments_BT=None):
+  def coda_out(self, h_BTD, segments_BT=None, pos_BT=None):
     """The state through the coda: what `logits` reads (B, T, D)."""
-    return self._unlooped(self.coda, self.coda_in(h_BTD), segments_BT)
+    return self._unlooped(self.coda, self.coda_in(h_BTD), segments_BT, pos_BT)
 
-  def readout(self, h_BTD, answer_pos_B, segments_BT=None):
+  def readout(self, h_BTD, answer_pos_B, segments_BT=None, pos_BT=None):
     """Coda, final norm and unembedding: logits at the answer position (B, V),
     or at every position (B, T, V) where `answer_pos_B` is None."""
-    h_BTD = self.coda_out(h_BTD, segments_BT)
+    h_BTD = self.coda_out(h_BTD, segments_BT, pos_BT)
     if answer_pos_B is None:
       return self.logits(h_BTD, self.readout_norm)
     h_BD = jnp.take_along_axis(h_BTD, answer_pos_B[:, None, None], 1)[:, 0]
@@ -261,9 +281,9 @@ class LoopedTransformer(nnx.Module):
     (P,), (R, L) and (C,); the coda runs on the last iteration's state.
     Prelude or coda without layers: None.
     """
-    x_BTD = self.embed_tokens(tokens_BT)
+    x_BTD, pos_BT = self.embed_tokens(tokens_BT), self.positions(tokens_BT, key)
     out = {"embed": x_BTD}
-    x_BTD, out["prelude"] = _traced(self.prelude, x_BTD, segments_BT)
+    x_BTD, out["prelude"] = _traced(self.prelude, x_BTD, segments_BT, pos_BT)
     h_BTD = self.initial_state(x_BTD, key)
     (B, T, D), L, N = h_BTD.shape, len(self.core), self.cfg.num_heads
     layers0 = {  # the carry's shape before the first iteration
@@ -271,13 +291,13 @@ class LoopedTransformer(nnx.Module):
       "attn": jnp.zeros((L, B, N, T, T), h_BTD.dtype),
     }
     (h_BTD, _), out["core"] = recurrence.unroll(
-      lambda carry: self.core_step(carry[0], x_BTD, True, segments_BT),
+      lambda carry: self.core_step(carry[0], x_BTD, True, segments_BT, pos_BT),
       (h_BTD, layers0),
       num_loops,
       scan_unroll=self.cfg.scan_unroll,
       readout=lambda carry: carry[1],
     )
-    _, out["coda"] = _traced(self.coda, self.coda_in(h_BTD), segments_BT)
+    _, out["coda"] = _traced(self.coda, self.coda_in(h_BTD), segments_BT, pos_BT)
     return out
 
   def __call__(
@@ -297,14 +317,15 @@ class LoopedTransformer(nnx.Module):
     `recurrence.unroll` for depth and grad_depth. `hidden` (a language model):
     the states after the coda instead (B, T, D), for a loss that applies
     `logits` a chunk at a time."""
-    x_BTD, h_BTD = self.encode(tokens_BT, key, segments_BT)
+    pos_BT = self.positions(tokens_BT, key)
+    x_BTD, h_BTD = self.encode(tokens_BT, key, segments_BT, pos_BT)
     h_BTD, logits_RBV = recurrence.unroll(
-      lambda h: self.core_step(h, x_BTD, segments_BT=segments_BT),
+      lambda h: self.core_step(h, x_BTD, segments_BT=segments_BT, pos_BT=pos_BT),
       h_BTD,
       num_loops or self.cfg.num_loops,
       remat=self.cfg.remat,
       scan_unroll=self.cfg.scan_unroll,
-      readout=(lambda h: self.readout(h, answer_pos_B, segments_BT))
+      readout=(lambda h: self.readout(h, answer_pos_B, segments_BT, pos_BT))
       if per_iteration
       else None,
       depth=depth,
@@ -312,8 +333,8 @@ class LoopedTransformer(nnx.Module):
       past_depth=self.cfg.past_depth,
     )
     if hidden:
-      return self.coda_out(h_BTD, segments_BT)
-    logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT)
+      return self.coda_out(h_BTD, segments_BT, pos_BT)
+    logits_BV = self.readout(h_BTD, answer_pos_B, segments_BT, pos_BT)
     return (logits_BV, logits_RBV) if per_iteration else logits_BV
 
 
@@ -332,11 +353,11 @@ def cached_iterations(iteration, carry, core_cache: list, num_loops=None):
   return out
 
 
-def _traced(blocks, h_BTD, segments_BT=None):
+def _traced(blocks, h_BTD, segments_BT=None, pos_BT=None):
   """h through `blocks`, and each block's output and attention weights stacked."""
   hidden, attn = [], []
   for block in blocks:
-    h_BTD, probs_BNTS = block(h_BTD, with_probs=True, segments_BT=segments_BT)
+    h_BTD, probs_BNTS = block(h_BTD, True, segments_BT, pos_BT)
     hidden.append(h_BTD)
     attn.append(probs_BNTS)
   return h_BTD, (
