@@ -92,9 +92,9 @@ def test_systematicity_paper_cpu_is_ltgs_recipe_at_one_core_size():
 
 
 def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
-  """`long` differs from `cpu` in model size, depth range, schedule and
-  length only, and it resumes a run started as `cpu` with those flags (the
-  variant's name is no conflict)."""
+  """`long` differs from `cpu` in model size, positions, depth range,
+  schedule and length only, and it resumes a run started as `cpu` with
+  those flags (the variant's name is no conflict)."""
   cpu, long = (extrapolation.get_config(v) for v in ("cpu", "long"))
   config_lib.validate(long)
   flat_cpu, flat_long = _flat(cpu.to_dict()), _flat(long.to_dict())
@@ -103,6 +103,7 @@ def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
     "model.d_model",
     "model.num_heads",
     "model.num_layers",
+    "model.random_positions",
     "train.depth.max",
     "train.num_steps",
     "train.schedule",
@@ -112,7 +113,7 @@ def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
     "eval_every",
   }
   # the long runs' command line: `cpu` and flags
-  cpu.model.update(d_model=128, num_heads=8, num_layers=2)
+  cpu.model.update(d_model=128, num_heads=8, num_layers=2, random_positions=64)
   cpu.train.depth.max = 12
   cpu.train.update(num_steps=500_000, schedule="cosine", decay_steps=150_000)
   cpu.update(eval_every=2000)
