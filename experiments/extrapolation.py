@@ -105,10 +105,11 @@ def get_config(variant: str = "cpu"):
       # The recipe that extrapolates furthest (docs/results/extrapolation.md,
       # issue 36): d 128, L 2 climbs the curriculum 5x faster in steps than
       # d 64, L 1 and answers K + 1 at 0.9; randomized positions in [0, 64)
-      # take it to K + 2 at 0.7 and K + 3 at 0.5 (with the positions 0..T-1
-      # K + 2 stayed <= 0.155); up to 12 sampled iterations; a cosine per
-      # stage (a fresh AdamW each), without which a constant lr collapsed
-      # past 120k steps; 500k steps as checkpointed segments.
+      # took it to K + 2 at 0.7 and K + 3 at 0.5 at 18k steps (0.455 at 20k;
+      # with positions 0..T-1 K + 2 stayed <= 0.155); up to 12 sampled
+      # iterations; a cosine per stage (a fresh AdamW each), without which a
+      # constant lr collapsed past 120k steps; 500k steps as checkpointed
+      # segments.
       c.model.update(d_model=128, num_heads=8, num_layers=2, random_positions=64)
       c.train.depth.max = 12
       c.train.update(num_steps=500_000, schedule="cosine", decay_steps=150_000)
