@@ -9,9 +9,12 @@ a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
 `DIR/plots/ablations.png` (kg/ablations.py), and a sweep of language
 models `DIR/lm_study.md` and `DIR/plots/lm_study.png` (lm/study.py).
 k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
-where the hop curriculum advanced. Language-model runs get `plots/lm.png`:
-training and validation loss against step beside the unigram baseline, and
-validation loss by number of iterations at evaluations along the run.
+where the hop curriculum advanced; evaluated at several depths (`--mode=eval
+--follow`), they also get `plots/depths.png` and `plots/depths.md`: the
+chains K + 1 to K + 4 hops deep against step at every depth (kg/beyond.py).
+Language-model runs get `plots/lm.png`: training and validation loss against
+step beside the unigram baseline, and validation loss by number of
+iterations at evaluations along the run.
 """
 
 import json
@@ -20,7 +23,7 @@ from pathlib import Path
 
 from loopjax.analysis.plots import plt, save
 from loopjax.data.kg import hop_count
-from loopjax.kg import ablations, grokking
+from loopjax.kg import ablations, beyond, grokking
 from loopjax.lm import study as lm_study
 from loopjax.metrics import read_jsonl, wall_times
 from loopjax.workdir import Workdir, run_config
@@ -214,7 +217,7 @@ def report(path: Path) -> list[Path]:
   """Writes the figures and results.md for a run or a sweep root; returns paths."""
   if (path / "metrics.jsonl").exists():
     Workdir(path).check_writable("", "plots")  # before the work, not after it
-    runs, figures = [path], [_plot(path)]
+    runs, figures = [path], _plot(path)
   else:
     runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
     if not runs:
@@ -222,7 +225,7 @@ def report(path: Path) -> list[Path]:
     Workdir(path).check_writable("", "plots")
     for run in runs:
       Workdir(run).check_writable("plots")
-    figures = [_plot(r) for r in runs] + [plot_sweep(path, runs)]
+    figures = [f for r in runs for f in _plot(r)] + [plot_sweep(path, runs)]
     kg = [r for r in runs if not lm_study.is_lm(r)]
     figures += ablations.write(path, kg) + lm_study.write(path, runs)
   table = path / "results.md"
@@ -230,10 +233,12 @@ def report(path: Path) -> list[Path]:
   return [*figures, table]
 
 
-def _plot(workdir: Path) -> Path:
-  """A run's figure: a language model's losses, else accuracies."""
-  lm = any(LM_LOSS in r for r in read_jsonl(workdir / "metrics.jsonl"))
-  return plot_lm(workdir) if lm else plot_run(workdir)
+def _plot(workdir: Path) -> list[Path]:
+  """A run's figures: a language model's losses, else accuracies (and, for
+  chains evaluated at several depths, those beyond the trained hops)."""
+  if any(LM_LOSS in r for r in read_jsonl(workdir / "metrics.jsonl")):
+    return [plot_lm(workdir)]
+  return [plot_run(workdir), *beyond.write(workdir, reached_phases(workdir))]
 
 
 def _style(ax, title: str) -> None:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from loopjax import report
+from loopjax.kg import beyond
 
 
 def fake_run(workdir, ood_final):
@@ -99,3 +100,49 @@ def test_chains_runs_plot_held_out_hops_and_curriculum_stages(tmp_path):
     lines[2]
     == "| a | 1000 | 10 s | - | 500 / 5 s | 1.000 | 0.500 | 0.333 | 0.250 | 0.100 |"
   )
+
+
+def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
+  """A run followed by `--mode=eval --follow` (training evaluated at R only):
+  the chains K + 1..K + 4 hops deep get a curve per depth and a table of the
+  best depth per step, with the curriculum stage at each step."""
+  from experiments import extrapolation
+  from loopjax import config as config_lib
+
+  c = extrapolation.get_config("tiny")  # K = 4, R = 4, chains to 5 hops
+  c.data.max_hops, c.eval.depths = 8, (6, 8)
+  run = tmp_path / "run"
+  fake_chains_run(run)
+  (run / "config.json").write_text(config_lib.to_json(c))
+  (run / "phases.json").write_text(json.dumps({"stage_3": 500, "stage_4": 1500}))
+  (run / "eval").mkdir()
+  with open(run / "eval" / "metrics.jsonl", "w") as f:
+    for step, acc in (
+      (1000, {4: 0.1, 6: 0.4, 8: 0.4}),
+      (2000, {4: 0.2, 6: 0.3, 8: 0.7}),
+    ):
+      k5 = {"eval/test_k5/acc": acc[4]} | {
+        f"eval/test_k5/acc@{d}": acc[d] for d in (6, 8)
+      }
+      f.write(json.dumps({"step": step, "eval/train_k4/acc": 1.0} | k5) + "\n")
+  K, found = beyond.curves(run)
+  assert K == 4 and list(found) == [5]  # k = 6..8: not evaluated here
+  assert found[5] == {
+    4: {1000: 0.1, 2000: 0.2},
+    6: {1000: 0.4, 2000: 0.3},
+    8: {1000: 0.4, 2000: 0.7},
+  }
+  paths = report.report(run)
+  assert run / "plots/depths.png" in paths
+  table = (run / "plots/depths.md").read_text().splitlines()[4:]
+  # best depth per step (a tie: the fewer iterations); stage 3 from 500, 4 from 1500
+  assert table == [
+    "| 1000 | 3 | 0.400 (R = 6) |",
+    "| 2000 | 4 | 0.700 (R = 8) |",
+  ]
+
+
+def test_runs_without_depths_get_no_depth_figure(tmp_path):
+  fake_chains_run(tmp_path / "a")  # in-loop evaluations at R only
+  assert beyond.curves(tmp_path / "a") == (0, {})
+  assert tmp_path / "a/plots/depths.png" not in report.report(tmp_path / "a")
