@@ -91,7 +91,8 @@ def _figure(path: Path, K: int, found: dict, phases: dict) -> Path:
     for phase, step in phases.items():
       ax.axvline(step, color="gray", ls=":", lw=1)
       ax.text(step, 1.02, phase, rotation=90, va="bottom", ha="center", fontsize=7)
-    ax.set(xlabel="step", ylim=(0, 1.05), title=f"k = {k} (K + {k - K})\n")
+    ax.set(xlabel="step", ylim=(0, 1.05))
+    ax.set_title(f"k = {k} (K + {k - K})", pad=36)  # above the stages' labels
     ax.grid(alpha=0.3)
   axes[0][0].set_ylabel("held-out accuracy")
   axes[0][-1].legend(fontsize=7)
