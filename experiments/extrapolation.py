@@ -112,11 +112,14 @@ def get_config(variant: str = "cpu"):
       # took it to K + 2 at 0.7 and K + 3 at 0.5 at 18k steps (0.455 at 20k;
       # with positions 0..T-1 K + 2 stayed <= 0.155); up to 12 sampled
       # iterations; a cosine per stage (a fresh AdamW each), without which a
-      # constant lr collapsed past 120k steps; 500k steps as checkpointed
-      # segments.
+      # constant lr collapsed past 120k steps; the lr x 0.7 per stage (LTG's
+      # per-stage decay: 4.8e-4 at k = 6), with which K + 2 reached 0.975
+      # and K + 4 0.595 (lr 5e-4 from step 18k; seed 1 from scratch: K + 2
+      # 0.595 at 20k); 500k steps as checkpointed segments.
       c.model.update(d_model=128, num_heads=8, num_layers=2, random_positions=64)
       c.train.depth.max = 12
       c.train.update(num_steps=500_000, schedule="cosine", decay_steps=150_000)
+      c.train.curriculum.lr_decay = 0.7
       c.eval.depths = (8, 10, 12, 16, 24)
       c.checkpoint.keep_every = 10_000  # a collapse can be forked from before it
       c.eval_every = 2000

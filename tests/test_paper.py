@@ -93,8 +93,8 @@ def test_systematicity_paper_cpu_is_ltgs_recipe_at_one_core_size():
 
 def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
   """`long` differs from `cpu` in model size, positions, depth range,
-  schedule and length only, and it resumes a run started as `cpu` with
-  those flags (the variant's name is no conflict)."""
+  schedule (and its decay per stage) and length only, and it resumes a run
+  started as `cpu` with those flags (the variant's name is no conflict)."""
   cpu, long = (extrapolation.get_config(v) for v in ("cpu", "long"))
   config_lib.validate(long)
   flat_cpu, flat_long = _flat(cpu.to_dict()), _flat(long.to_dict())
@@ -108,6 +108,7 @@ def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
     "train.num_steps",
     "train.schedule",
     "train.decay_steps",
+    "train.curriculum.lr_decay",
     "eval.depths",
     "checkpoint.keep_every",
     "eval_every",
@@ -116,6 +117,7 @@ def test_extrapolation_long_is_the_cpu_recipe_larger_and_longer():
   cpu.model.update(d_model=128, num_heads=8, num_layers=2, random_positions=64)
   cpu.train.depth.max = 12
   cpu.train.update(num_steps=500_000, schedule="cosine", decay_steps=150_000)
+  cpu.train.curriculum.lr_decay = 0.7
   cpu.update(eval_every=2000)
   cpu.eval.depths, cpu.checkpoint.keep_every = (8, 10, 12, 16, 24), 10_000
   assert workdir.conflicts(cpu.to_dict(), long.to_dict()) == []
