@@ -41,7 +41,7 @@ accuracy is strictly above 0.95, each stage with a fresh AdamW and so a fresh
   python launch/sweep.py --config=experiments/extrapolation.py \\
       --root=runs/extrapolation --parallel=2
   # `long`: beside the trainer, an evaluation job at every eval.depths; then
-  # plots/depths.png and depths.md: K + 1..K + 4 against step at each depth
+  # plots/depths.{png,md}: K + 1..K + 4 against step at each depth
   python -m loopjax.main --mode=eval --follow --workdir=runs/long
   python -m loopjax.main --mode=report --workdir=runs/long
 """

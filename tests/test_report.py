@@ -125,8 +125,8 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
         f"eval/test_k5/acc@{d}": acc[d] for d in (6, 8)
       }
       f.write(json.dumps({"step": step, "eval/train_k4/acc": 1.0} | k5) + "\n")
-  K, found = beyond.curves(run)
-  assert K == 4 and list(found) == [5]  # k = 6..8: not evaluated here
+  found = beyond.curves(beyond.depth_records(run), c)
+  assert list(found) == [5]  # K = 4; k = 6..8: not evaluated here
   assert found[5] == {
     4: {1000: 0.1, 2000: 0.2},
     6: {1000: 0.4, 2000: 0.3},
@@ -144,5 +144,5 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
 
 def test_runs_without_depths_get_no_depth_figure(tmp_path):
   fake_chains_run(tmp_path / "a")  # in-loop evaluations at R only
-  assert beyond.curves(tmp_path / "a") == (0, {})
+  assert beyond.depth_records(tmp_path / "a") == []
   assert tmp_path / "a/plots/depths.png" not in report.report(tmp_path / "a")

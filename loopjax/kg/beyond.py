@@ -12,13 +12,16 @@ training loop's if they hold depths.
 from pathlib import Path
 
 from loopjax.analysis.plots import markdown, plt, save
+from loopjax.kg import curriculum
 from loopjax.metrics import read_jsonl
 from loopjax.workdir import run_config
 
 BEYOND = 4  # held-out chains to K + 4 hops, the range of LTG's claim
 
 
-def _records_with_depths(workdir: Path) -> list[dict]:
+def depth_records(workdir: Path) -> list[dict]:
+  """The run's evaluations that hold several depths: the training loop's, or
+  else the evaluation job's; [] if none."""
   for path in (workdir / "metrics.jsonl", workdir / "eval" / "metrics.jsonl"):
     if path.exists():
       if found := [r for r in read_jsonl(path) if any("/acc@" in k for k in r)]:
@@ -26,13 +29,9 @@ def _records_with_depths(workdir: Path) -> list[dict]:
   return []
 
 
-def curves(workdir: Path) -> tuple[int, dict]:
-  """(K, {k: {R: {step: accuracy}}}) for the held-out chains K + 1..K + 4
-  hops deep at every evaluated depth R; {} if no evaluation holds depths."""
-  records = _records_with_depths(workdir)
-  if not records:
-    return 0, {}
-  config = run_config(workdir)
+def curves(records: list[dict], config) -> dict:
+  """{k: {R: {step: accuracy}}} for the held-out chains K + 1..K + 4 hops
+  deep at every depth R the evaluations `records` hold."""
   K, R = config.data.train_hops, config.model.num_loops
   out = {}
   for k in range(K + 1, K + BEYOND + 1):
@@ -47,30 +46,24 @@ def curves(workdir: Path) -> tuple[int, dict]:
     }
     if any(by_depth.values()):
       out[k] = by_depth
-  return K, out
-
-
-def stage_at(step: int, start: int, phases: dict) -> int:
-  """The curriculum stage (hops trained on) at `step`, from the steps each
-  stage began (`stage_<k>` phases)."""
-  begun = [
-    int(p[6:]) for p, s in phases.items() if p.startswith("stage_") and s <= step
-  ]
-  return max(begun, default=start)
+  return out
 
 
 def write(workdir: Path, phases: dict) -> list[Path]:
   """`plots/depths.png` and `plots/depths.md` for a chains run evaluated at
   several depths; nothing else."""
-  K, found = curves(workdir)
-  if not found:
+  records = depth_records(workdir)
+  if not records:
     return []
+  config = run_config(workdir)
+  if not (found := curves(records, config)):
+    return []
+  K = config.data.train_hops
   png = _figure(workdir / "plots" / "depths.png", K, found, phases)
   md = png.with_suffix(".md")
-  start = run_config(workdir).train.curriculum.start
   md.write_text(
     f"Held-out accuracy beyond the trained {K} hops, at the best evaluated "
-    "depth R (figure: depths.png).\n\n" + _table(K, found, start, phases)
+    "depth R (figure: depths.png).\n\n" + _table(config, found, phases)
   )
   return [png, md]
 
@@ -99,11 +92,11 @@ def _figure(path: Path, K: int, found: dict, phases: dict) -> Path:
   return save(fig, path)
 
 
-def _table(K: int, found: dict, start: int, phases: dict) -> str:
+def _table(config, found: dict, phases: dict) -> str:
   """Per evaluated step: the stage, and each k's best accuracy and its R."""
-  rows = []
+  K, rows = config.data.train_hops, []
   for step in sorted({s for d in found.values() for acc in d.values() for s in acc}):
-    cells = [str(step), str(stage_at(step, start, phases))]
+    cells = [str(step), str(curriculum.stage_at(config, phases, step))]
     for by_depth in found.values():
       at = [(acc[step], -d) for d, acc in by_depth.items() if step in acc]
       best, d = max(at, default=(None, 0))  # ties: the fewest iterations

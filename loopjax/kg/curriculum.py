@@ -62,6 +62,15 @@ def stage_names(config) -> tuple[str, ...]:
   return tuple(f"stage_{k}" for k in range(cur.start + 1, config.data.train_hops + 1))
 
 
+def stage_at(config, phases: dict, step: int) -> int:
+  """The stage trained at `step`, from the steps the stages began (phases)."""
+  stage = config.train.curriculum.start
+  for k, name in enumerate(stage_names(config), stage + 1):
+    if phases.get(name) is not None and phases[name] <= step:
+      stage = k
+  return stage
+
+
 def next_stage(config, stage: int, metrics: dict) -> int | None:
   """The stage to move to after an evaluation with `metrics`, or None to stay:
   the next, once the current stage's held-out chains are answered well enough."""
