@@ -3,6 +3,8 @@
   python launch/slurm.py --nodes=2 --gpus_per_node=8 [--per=gpu|node] \\
       [--time=24:00:00] [--setup='source .venv/bin/activate'] [--dry-run] -- \\
       --config=experiments/sysgen.py:paper --workdir=/shared/runs/paper
+  # or a bucket, which outlives the cluster's disks (pip install 'loopjax[gcs]'):
+  #   ... -- --config=experiments/sysgen.py:paper --workdir=gs://BUCKET/runs/paper
 
 `--per=gpu` (default) runs one process per GPU (nodes x gpus_per_node
 processes, one GPU each); `--per=node` one process per node seeing all its
@@ -79,13 +81,14 @@ def parser() -> argparse.ArgumentParser:
 
 
 def absolute_workdir(main_args: list[str]) -> None:
-  """Remote runs need a --workdir every host sees the same: an absolute path
-  (a relative one would land in, and be deleted with, the installed checkout)."""
+  """Remote runs need a --workdir every host sees the same: a bucket
+  (gs://BUCKET/PATH) or an absolute path on a filesystem every host mounts (a
+  relative one would land in, and be deleted with, the installed checkout)."""
   workdir = [a.split("=", 1)[1] for a in main_args if a.startswith("--workdir=")]
-  if not workdir or not workdir[-1].startswith("/"):
+  if not workdir or not workdir[-1].startswith(("/", "gs://")):
     sys.exit(
-      "error: --workdir: must be an absolute path on a filesystem every host "
-      f"mounts; got {workdir[-1] if workdir else 'none'}"
+      "error: --workdir: must be gs://BUCKET/PATH or an absolute path on a "
+      f"filesystem every host mounts; got {workdir[-1] if workdir else 'none'}"
     )
 
 

@@ -2,7 +2,7 @@
 
   python launch/tpu.py --name=loopjax-v5e --zone=us-west4-a \\
       --accelerator=v5litepod-16 --version=v2-alpha-tpuv5-lite [--dry-run] -- \\
-      --config=experiments/sysgen.py:paper --workdir=/mnt/shared/runs/paper
+      --config=experiments/sysgen.py:paper --workdir=gs://BUCKET/runs/paper
 
 Creates the slice if `gcloud ... tpu-vm describe` does not find it (reuses it
 otherwise), copies this checkout's committed tree (`git archive HEAD`) to every
@@ -10,10 +10,15 @@ worker and installs it (jax[tpu] and loopjax, with pip), then runs
 `python -m loopjax.main ARGS` on all workers at once (`ssh --worker=all`).
 JAX finds the other workers itself on TPU VMs (loopjax.main calls
 jax.distributed.initialize when TPU_WORKER_HOSTNAMES lists several). The
-workdir must be a filesystem every worker mounts (Filestore, GCS FUSE): all
-write one checkpoint together, and process 0 the logs. `--follow` first starts
-an evaluation job (`--mode=eval --follow`, on the CPU: the TPU chips are
-training's) in the background on worker 0, logging to ~/loopjax-follow.log.
+workdir is a bucket, `gs://BUCKET/PATH` (the slice's service account needs
+object read/write there): a worker's disk goes with it at every preemption,
+and all workers write one checkpoint together, process 0 the logs and the
+run's lease (docs/guarantees.md). A GCS FUSE mount is not the same: its
+`flock` is per host, its renames are copies. Rerunning the command after a
+preemption resumes from the bucket's newest committed checkpoint. `--follow`
+first starts an evaluation job (`--mode=eval --follow`, on the CPU: the TPU
+chips are training's) in the background on worker 0, logging to
+~/loopjax-follow.log.
 --dry-run prints every gcloud command instead of running it.
 """
 
@@ -52,7 +57,7 @@ def plan(args, main_args: list[str]) -> list[tuple[str, list[str]]]:
   )
   install = (
     f"rm -rf {REMOTE_DIR} && tar xf {Path(TARBALL).name} && cd {REMOTE_DIR} && "
-    f"python3 -m pip install -q 'jax[tpu]=={version('jax')}' -e . "
+    f"python3 -m pip install -q 'jax[tpu]=={version('jax')}' -e '.[gcs]' "
     "-f https://storage.googleapis.com/jax-releases/libtpu_releases.html"
   )
   follow = (

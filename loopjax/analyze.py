@@ -5,17 +5,17 @@ the newest's stay). Nothing here trains or moves a checkpoint. The checkpoint
 is restored onto the run's mesh (all devices of all processes, sharded as
 training places it), the analyses' batches split over it; process 0 writes."""
 
-from pathlib import Path
+from etils import epath
 
-from loopjax import restore, sharding
+from loopjax import restore, sharding, storage
 from loopjax import task as task_lib
 from loopjax.workdir import Workdir
 
 
-def analyze(config, workdir, step: int | None = None) -> list[Path]:
+def analyze(config, workdir, step: int | None = None) -> list[epath.Path]:
   """The analyses of the checkpoint at `step` (default: the newest good one);
   the paths written (none but in process 0)."""
-  workdir, asked = Path(workdir), step
+  workdir, asked = storage.path(workdir), step
   wd = Workdir(workdir)
   wd.check(config)  # a config that conflicts with the run's is refused
   wd.check_writable("analysis")  # before the work, not after it

@@ -5,28 +5,31 @@ is the workdir's rule (`Workdir.checkpoints`). Saves are async. `meta` holds a
 checksum of every saved array, computed on device before the write and checked
 after a restore.
 Restore walks back from the newest step until one restores and verifies; a step
-that does not is moved to `workdir/checkpoints_corrupt/` (kept, never deleted), so
-a torn or damaged file never blocks a resume and the step can be saved again.
-orbax writes each step to a temporary directory and renames it when complete, so
-a kill mid-write leaves no step directory to restore from.
+that does not is set aside by a record, `workdir/checkpoints_damaged.json`
+({step: why}), not moved (a move on a bucket is a copy per object): readers
+and the keep policy pass it over, and it stays for inspection until the run
+saves that step again. orbax commits each step atomically for its storage: on
+a disk it writes a temporary directory and renames it; on a bucket it writes
+the step in place and then its `commit_success.txt` marker, and lists only
+steps with one. A kill mid-write leaves no step to restore from.
 """
 
 import contextlib
+import json
 import os
 import re
-import shutil
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
-from loopjax import sharding
+from loopjax import sharding, storage
 from loopjax.errors import ConfigError, first_line
 
-CORRUPT_DIR = "checkpoints_corrupt"
+DAMAGED = "checkpoints_damaged.json"  # beside checkpoints/
 
 
 class NoGoodCheckpoint(ConfigError):
@@ -75,10 +78,13 @@ def digest(tree) -> tuple[dict[str, int], bool]:
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, data_iter) -> None:
-  """Saves asynchronously; refuses (FloatingPointError) a state with NaN or inf."""
+  """Saves asynchronously; refuses (FloatingPointError) a state with NaN or
+  inf. A step set aside as damaged is replaced (its record says so)."""
   sums, finite = digest(state)
   if not finite:
     raise FloatingPointError(f"step {step}: the train state holds NaN or inf")
+  if (why := damaged(mngr.directory).get(step)) is not None:
+    _replace_damaged(mngr, step, why)
   with _writing():  # also reports the previous async save's failure, if any
     mngr.save(
       step,
@@ -137,17 +143,21 @@ def restore(
   iterator, if given, is moved to its saved position. Returns (None, None)
   when there is no checkpoint. A checkpoint that fails to restore or to verify
   raises if `step` was asked for. Otherwise older ones are tried, and the bad
-  newer ones are moved aside once an older one restores; if none restores,
-  nothing is moved and NoGoodCheckpoint says why (e.g. a changed model).
-  `quarantine=False` (evaluation, which may run beside a trainer) moves nothing.
+  newer ones are set aside (`DAMAGED`) once an older one restores; steps
+  already set aside are passed over. If none restores, nothing is recorded
+  and NoGoodCheckpoint says why (e.g. a changed model). `quarantine=False`
+  (evaluation, which may run beside a trainer) records nothing.
   """
+  directory, bad_before = epath.Path(mngr.directory), damaged(mngr.directory)
   steps = sorted(mngr.all_steps(), reverse=True) if step is None else [step]
   failed = []
   for s in steps:
-    if step is None and not (Path(str(mngr.directory)) / str(s)).is_dir():
+    if step is None and s in bad_before:
+      continue
+    if step is None and not (directory / str(s)).is_dir():
       continue  # deleted since the list was read (a trainer's keep policy)
     # Checkpoints written before checksums existed restore unverified.
-    has_meta = (Path(str(mngr.directory)) / str(s) / "meta").is_dir()
+    has_meta = (directory / str(s) / "meta").is_dir()
     items = {
       "state": ocp.args.StandardRestore(abstract_state),
       "data": ocp.args.JsonRestore(),
@@ -165,7 +175,7 @@ def restore(
       continue
     for bad, why in failed:
       if quarantine:
-        _quarantine(mngr, bad, why)
+        _set_aside(mngr, bad, why)
       else:
         print(f"checkpoint {bad} is damaged ({why}); left in place")
     return out.state, s
@@ -207,19 +217,67 @@ def verify(state, saved: dict[str, int], step: int) -> None:
     )
 
 
-def _quarantine(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
-  """Moves a bad step out of the manager's sight; the bytes stay for inspection."""
-  src = Path(str(mngr.directory)) / str(step)
-  dst = src.parent.parent / CORRUPT_DIR / str(step)
-  while dst.exists():
-    dst = dst.with_name(dst.name + "+")
+def damaged(directory) -> dict[int, str]:
+  """{step: why} of the steps set aside in the run of `directory`."""
+  return {int(k): v for k, v in _record(directory)["damaged"].items()}
+
+
+def _record(directory) -> dict:
+  """`DAMAGED`: {"damaged": {step: why}, "replaced": {step: why}}."""
+  path = epath.Path(directory).parent / DAMAGED
+  if not path.exists():
+    return {"damaged": {}, "replaced": {}}
+  try:
+    record = json.loads(path.read_text())
+    return {k: dict(record[k]) for k in ("damaged", "replaced")}
+  except (ValueError, TypeError, KeyError):
+    raise ConfigError(f"{path}: not a record of damaged steps; restore it") from None
+
+
+def _write_record(mngr, change) -> None:
+  """Process 0 rewrites the record whole with `change(record)` applied."""
   if sharding.writes():
-    dst.parent.mkdir(exist_ok=True)
-    shutil.move(src, dst)
-  if jax.process_count() > 1:  # no process reads the directory while it moves
-    multihost_utils.sync_global_devices(f"quarantine {step}")
+    record = _record(mngr.directory)
+    change(record)
+    path = epath.Path(mngr.directory).parent / DAMAGED
+    storage.write_whole(path, json.dumps(record, indent=2))
+  if jax.process_count() > 1:  # every process reads the same record after
+    multihost_utils.sync_global_devices("checkpoints_damaged")
+
+
+def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
+  """Records a bad step: readers and the keep policy pass it over; its bytes
+  stay for inspection."""
+  _write_record(mngr, lambda r: r["damaged"].update({str(step): why}))
+  print(f"checkpoint {step} is damaged ({why}); set aside in {DAMAGED}")
+
+
+def _replace_damaged(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
+  """The run has trained to a damaged step again: the bad bytes go, the
+  record keeps why."""
   mngr.reload()
-  print(f"checkpoint {step} is damaged ({why}); moved it to {dst}")
+  if step in mngr.all_steps():
+    mngr.delete(step)
+
+  def replaced(record):
+    record["replaced"][str(step)] = record["damaged"].pop(str(step), why)
+
+  _write_record(mngr, replaced)
+
+
+class LatestGood:
+  """orbax preservation policy: the newest `n` steps not set aside, and every
+  step set aside (until the run saves it again)."""
+
+  def __init__(self, directory, n: int):
+    self.directory, self.n = directory, n
+
+  def should_preserve(self, checkpoints, *, context):
+    del context
+    bad = damaged(self.directory)
+    good = sorted((c.step for c in checkpoints if c.step not in bad), reverse=True)
+    newest = set(good[: self.n])
+    return [c.step in newest or c.step in bad for c in checkpoints]
 
 
 def abstract(tree):

@@ -15,10 +15,11 @@ import traceback
 from pathlib import Path
 
 from absl import app, flags, logging
+from etils import epath
 from ml_collections import config_flags
 
 from loopjax import config as config_lib
-from loopjax import xla
+from loopjax import storage, xla
 from loopjax.errors import ConfigError, exit_with, first_line
 from loopjax.workdir import Workdir
 
@@ -107,17 +108,23 @@ def _unknown_field(argv) -> str | None:
   return None
 
 
-def workdir(argv) -> Path:
-  """--workdir, required; no positional arguments."""
+def workdir(argv) -> epath.Path:
+  """--workdir, required; no positional arguments. A local path or
+  gs://BUCKET/PATH; a bucket that does not exist or answer is one line now."""
   if len(argv) > 1:
     exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
   if not FLAGS.workdir:
     exit_with("--workdir is required")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  return Path(FLAGS.workdir).expanduser()
+  try:
+    path = storage.path(FLAGS.workdir)
+    storage.check_bucket(path, write=False)
+  except ConfigError as e:
+    exit_with(str(e))
+  return path
 
 
-def config(path: Path, training: bool = False):
+def config(path: epath.Path, training: bool = False):
   """--config validated; but for training, the workdir's own config.json
   where none is given, and a model.init_from run's shapes resolved as its
   training recorded them (training resolves its own)."""
@@ -144,8 +151,8 @@ def _cache_compiles(where: str) -> None:
   if where == "off" or jax.config.jax_compilation_cache_dir:
     return
   home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-  path = Path(where).expanduser() if where else home / "loopjax" / "xla"
-  jax.config.update("jax_compilation_cache_dir", str(path))
+  path = storage.path(where, "compile_cache") if where else home / "loopjax" / "xla"
+  jax.config.update("jax_compilation_cache_dir", str(path))  # gs:// too
 
 
 def run(main) -> None:

@@ -231,8 +231,12 @@ def base() -> ml_collections.ConfigDict:
   # fork_from "DIR:STEP" (or "DIR": its newest): a new workdir starts from that
   # run's checkpoint (weights, optimizer, curriculum stage, data position) and
   # trains on under this config, which may differ from DIR's in train.* only;
-  # DIR is only read (workdir.Fork).
-  c.checkpoint = dict(every=1000, keep=3, keep_every=0, async_save=True, fork_from="")
+  # DIR is only read (workdir.Fork). lease_s: on a gs:// workdir, seconds
+  # without renewal after which another trainer may take the run's lease
+  # over (its holder was killed or preempted; lease.py).
+  c.checkpoint = dict(
+    every=1000, keep=3, keep_every=0, async_save=True, fork_from="", lease_s=120.0
+  )
   c.eval_every = 250  # 0: no in-loop evaluation (an evaluation job follows the run)
   c.log_every = 50
   # XLA's compiled programs, kept across restarts and shared by a run's
@@ -262,6 +266,17 @@ def validate(c: ml_collections.ConfigDict) -> None:
   check_types(c)
   field_rules.check_fields(c)
   d, m, t, a = c.data, c.model, c.train, c.analyze
+  for field, value in (
+    ("data.data_dir", d.data_dir),
+    ("model.hf_dir", m.hf_dir),
+    ("model.init_from", m.init_from.removeprefix("hf:")),
+    ("analyze.baseline_dir", a.baseline_dir),
+  ):
+    if "://" in value:  # a URL would become a local folder named "gs:"
+      raise ConfigError(
+        f"{field}: must be a local path (data sets and pretrained directories "
+        f"are read from each host's disk; only --workdir may be gs://); got {value!r}"
+      )
   rules = task.spec(d.task)
   if m.init_from:
     _family_has(c, rules, "init_from", "model.init_from", "a pretrained model")(c)

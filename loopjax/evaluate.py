@@ -5,13 +5,13 @@ all devices of all processes, the params sharded as training places them,
 each batch split over the devices; process 0 writes and prints."""
 
 import json
-from pathlib import Path
 
 import jax
+from etils import epath
 
-from loopjax import restore, sharding
+from loopjax import restore, sharding, storage
 from loopjax import task as task_lib
-from loopjax.workdir import Workdir, write_atomic
+from loopjax.workdir import Workdir
 
 
 def results(config, task, per_depth: dict, step: int) -> dict:
@@ -25,10 +25,10 @@ def results(config, task, per_depth: dict, step: int) -> dict:
   }
 
 
-def write_results(workdir: Path, report: dict) -> Path:
-  out = Path(workdir) / "eval" / f"step_{report['step']}.json"
+def write_results(workdir, report: dict) -> epath.Path:
+  out = storage.path(workdir) / "eval" / f"step_{report['step']}.json"
   out.parent.mkdir(exist_ok=True)
-  write_atomic(out, json.dumps(report, indent=2))
+  storage.write_whole(out, json.dumps(report, indent=2))
   return out
 
 

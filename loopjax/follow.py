@@ -3,17 +3,18 @@
 On pods, training runs with in-loop evaluation off (`eval_every=0`) and a job
 beside it (another host, another device) evaluates each checkpoint as it
 appears: every probe split at every `eval.depths`, optionally the analyses.
-It only reads the trainer's files (orbax renames a checkpoint into place when
-it is complete, so a listed step is whole) and writes under `eval/` (and
-`analysis/step_<N>/`), one follower per workdir. `eval/metrics.jsonl` is its
-record: a checkpoint's line is appended once, after its `eval/step_<N>.json`
-and TensorBoard points (tags `eval_job/...`) are written, so a restarted
-follower goes on where it stopped. For composition runs it also writes
+It only reads the trainer's files (orbax lists a step once it is committed,
+so a listed step is whole) and writes under `eval/` (and
+`analysis/step_<N>/`), one follower per workdir. `eval/metrics/` is its
+record: a checkpoint's record is written once, after its `eval/step_<N>.json`
+and TensorBoard points (tags `eval_job/...`), so a restarted follower goes on
+where it stopped. It reads the trainer's records at every look, each chunk
+once (`metrics.Log`). For composition runs it also writes
 `eval/phases.json`, the grokking phases its evaluations show.
 
 It ends once a checkpoint of the run's last step is evaluated, or, if the
-trainer stops early (an error, a preemption: its `end` record in
-metrics.jsonl, newer than the follower), once what it saved is evaluated
+trainer stops early (an error, a preemption: its `end` record, newer than
+the follower), once what it saved is evaluated
 (exit 1). A trainer killed outright writes no `end`: the follower then waits.
 """
 
@@ -21,10 +22,10 @@ import json
 import time
 
 from loopjax import config as config_lib
-from loopjax import evaluate, metrics, restore
+from loopjax import evaluate, metrics, restore, storage
 from loopjax import task as task_lib
 from loopjax.errors import first_line
-from loopjax.workdir import Workdir, write_atomic
+from loopjax.workdir import Workdir
 
 RETRIES = 3  # looks at a checkpoint that does not restore before skipping it
 
@@ -45,10 +46,10 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   config = _wait_for_config(wd, config, poll_s)
   _wait_for(lambda: wd.checkpoint_dir.is_dir(), f"{wd.checkpoint_dir}/", poll_s)
   wd.check_writable("eval")
-  with wd.exclusive("follow"):
+  with wd.exclusive("follow", config.checkpoint.lease_s):
     task = task_lib.for_config(config).load(config)
     reader = restore.Reader(config, wd.path, task)
-    job = _Job(wd, config, task, reader, analyses)
+    job, trainer = _Job(wd, config, task, reader, analyses), metrics.Log(wd.path)
     if job.done:
       print(
         f"follow: {len(job.done)} checkpoints already evaluated (newest "
@@ -67,7 +68,7 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
             )
           print(f"follow: the run has finished (step {last}); done")
           return
-        end = _trainer_end(wd, since=started)
+        end = _trainer_end(trainer, since=started)
         if end is not None and not [s for s in reader.steps() if s not in job.done]:
           raise TrainerStopped(
             f"follow: the trainer stopped at step {end['step']} ({end['reason']}), "
@@ -88,12 +89,13 @@ class _Job:
     self.evaluator = self.family.evaluator(
       config, task, reader.graphdef, config.eval.depths
     )
-    log = wd.path / "eval" / "metrics.jsonl"
-    self.records = metrics.read_jsonl(log) if log.exists() else []
+    self.records = metrics.read(wd.path / "eval")
     self.done = {r["step"] for r in self.records}
     self.failures: dict[int, int] = {}
     self.damaged: set[int] = set()
-    self.writer = metrics.Writer(log, wd.path / "tb", tb_section="eval_job")
+    self.writer = metrics.Writer(
+      wd.path / "eval", wd.path / "tb", tb_section="eval_job", flush_s=0
+    )
 
   def evaluate(self, step: int) -> None:
     """Evaluates one checkpoint, or says why it could not (deleted by the
@@ -124,7 +126,9 @@ class _Job:
     self.records.append({"step": step, **flat})
     self.done.add(step)
     if (phases := self.family.follow_phases(self.config, self.records)) is not None:
-      write_atomic(self.wd.path / "eval" / "phases.json", json.dumps(phases, indent=2))
+      storage.write_whole(
+        self.wd.path / "eval" / "phases.json", json.dumps(phases, indent=2)
+      )
     print(f"follow: evaluated step {step}")
 
   def close(self) -> None:
@@ -132,13 +136,10 @@ class _Job:
     self.reader.close()
 
 
-def _trainer_end(wd: Workdir, since: float) -> dict | None:
+def _trainer_end(trainer: metrics.Log, since: float) -> dict | None:
   """The trainer's newest `end` record if it came after `since` and after its
   newest `start` (an early stop this follower saw happen), else None."""
-  path = wd.path / "metrics.jsonl"
-  events = (
-    [r for r in metrics.read_jsonl(path) if "event" in r] if path.exists() else []
-  )
+  events = [r for r in trainer.read() if "event" in r]
   last = events[-1] if events else None
   if last and last["event"] == "end" and last["time"] > since:
     return None if last["reason"] == "finished" else last

@@ -54,7 +54,7 @@ def _run(config, workdir) -> None:
   if FLAGS.mode == "train":
     train.train_and_evaluate(config, workdir)
     print(
-      f"outputs in {workdir}: metrics.jsonl, phases.json, checkpoints/; plots: "
+      f"outputs in {workdir}: metrics/, phases.json, checkpoints/; plots: "
       f"--mode=report; TensorBoard: tensorboard --logdir {workdir / 'tb'}"
     )
   elif FLAGS.follow:

@@ -1,54 +1,78 @@
-"""Metric sinks (a JSONL file, one object per line, and TensorBoard) and the
-training run's progress display."""
+"""Metric sinks (JSONL records and TensorBoard events) and the training run's
+progress display.
 
+Both are written as chunks, each one whole object never appended to
+(`metrics/<ms>.jsonl`, `tb/events.out.tfevents.<ms>.<host>`): on a bucket an
+append rewrites the whole object, so upload volume would grow with the square
+of the run's length; chunks keep it linear, and a reader never sees half a
+record. Readers concatenate the chunks in name (time) order (`Log`).
+"""
+
+import contextlib
 import json
 import socket
 import struct
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 from tqdm import tqdm
 
-from loopjax import sharding
+from loopjax import sharding, storage
+
+LEGACY = "metrics.jsonl"  # runs from before chunks: read first, never written
 
 
 class Writer:
   """Writes scalars from process 0 only; other processes drop them.
 
-  Every record carries `time` (Unix seconds); `start(step)` marks where a
-  process began (or resumed) training, so wall time to a step can be summed
-  over the segments of a resumed run (`wall_times`), and `end(step, reason)`
-  where it stopped. A line cut short by a kill is removed before appending.
-  `tb_section`: TensorBoard tags `<section>/...` in place of `eval/...` (an
-  evaluation job's own tags), each point flushed at once.
+  `where`: the run's folder (the workdir, or `eval/` for an evaluation job);
+  records go to `where/metrics/`, TensorBoard events to `tb_dir`. Every
+  record carries `time` (Unix seconds); `start(step)` marks where a process
+  began (or resumed) training, so wall time to a step can be summed over the
+  segments of a resumed run (`wall_times`), and `end(step, reason)` where it
+  stopped. What is written goes out as a chunk every `flush_s` seconds, at
+  `flush()` (the trainer's, before each checkpoint: what a resume skips was
+  logged) and at `end`/`close`. `tb_section`: TensorBoard tags
+  `<section>/...` in place of `eval/...` (an evaluation job's own tags).
   """
 
-  def __init__(self, jsonl: Path, tb_dir: Path, tb_section: str | None = None):
+  def __init__(
+    self, where, tb_dir, tb_section: str | None = None, flush_s: float = 30.0
+  ):
     self.enabled = sharding.writes()
-    self.tb_section = tb_section
+    self.tb_section, self.flush_s = tb_section, flush_s
     if self.enabled:
-      jsonl.parent.mkdir(parents=True, exist_ok=True)
-      _drop_partial_line(jsonl)
-      self._jsonl = open(jsonl, "a")
-      # Its own event file (names hold only the second and the host): the
-      # trainer's and an evaluation job's may start in the same second.
+      self._folder = epath.Path(where) / "metrics"
+      self._folder.mkdir(parents=True, exist_ok=True)
+      self._lines: list[str] = []
+      self._flushed, self._last_name = time.time(), 0
+      # Its own event files (names hold the host and the section): the
+      # trainer's and an evaluation job's may start in the same millisecond.
       suffix = "" if tb_section is None else f".{tb_section}"
-      self._tb = _EventFile(tb_dir, suffix, flush_s=0 if tb_section else 30)
+      self._tb = _Events(epath.Path(tb_dir), suffix, self._name)
+
+  def _name(self) -> int:
+    """A chunk's name: milliseconds, strictly increasing within the writer."""
+    self._last_name = max(self._last_name + 1, int(time.time() * 1000))
+    return self._last_name
 
   def start(self, step: int) -> None:
+    """Written at once: a reader sees the run began (and compiles)."""
     if self.enabled:
       self._line({"step": step, "time": time.time(), "event": "start"})
+      self.flush()
 
   def end(self, step: int, reason: str) -> None:
     """`reason`: finished, preempted or stopped (an error)."""
     if self.enabled:
       self._line({"step": step, "time": time.time(), "event": "end", "reason": reason})
+      self.flush()
 
   def write(self, step: int, scalars: dict) -> None:
-    """TensorBoard first, then the JSONL line: a record in the JSONL file means
-    the step was written everywhere."""
+    """TensorBoard first, then the JSONL record: a record in the JSONL chunks
+    means the step was written everywhere."""
     if not self.enabled:
       return
     scalars = {k: float(np.asarray(v)) for k, v in scalars.items()}
@@ -63,85 +87,128 @@ class Writer:
     self._line({"step": step, "time": time.time(), **scalars})
 
   def _line(self, record: dict) -> None:
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    self._lines.append(json.dumps(record) + "\n")
+    if time.time() - self._flushed >= self.flush_s:
+      self.flush()
 
-  def close(self) -> None:
-    """Closes both sinks whatever either does (a full disk fails both); raises
-    the first error."""
+  def flush(self) -> None:
+    """Writes what is buffered as one chunk each (events, then records)."""
     if not self.enabled:
       return
-    errors = []
-    for close in (self._jsonl.close, self._tb.close):
-      try:
-        close()  # a file whose flush fails is closed all the same
-      except OSError as e:
-        errors.append(e)
-    if errors:
-      raise errors[0]
+    self._flushed = time.time()
+    self._tb.flush()
+    if self._lines:
+      name = f"{self._name():013d}.jsonl"
+      storage.write_whole(self._folder / name, "".join(self._lines))
+      self._lines = []
+
+  def drop(self) -> None:
+    """Forgets what is buffered (a writer that lost its lease writes nothing)."""
+    if self.enabled:
+      self._lines, self._tb.events = [], []
+
+  def close(self) -> None:
+    """Flushes; raises its error (a full disk)."""
+    self.flush()
 
 
-class _EventFile:
-  """A TensorBoard event file (TFRecord-framed `Event` protos), written in the
-  caller's thread. tensorboardX's SummaryWriter writes from a thread of its
-  own: on a full disk that thread dies and the next `add_scalar` waits on its
-  queue for ever; here the error reaches the training loop like any other.
-  `flush_s`: seconds between flushes (0: every write, for an evaluation job's
-  points)."""
+class _Events:
+  """TensorBoard events (TFRecord-framed `Event` protos), each flush one new
+  event file written whole, in the caller's thread (tensorboardX's writer
+  thread died on a full disk, and the next point waited for it for ever)."""
 
-  def __init__(self, tb_dir: Path, suffix: str, flush_s: float):
+  def __init__(self, tb_dir: epath.Path, suffix: str, name):
     from tensorboardX.proto import event_pb2, summary_pb2  # heavy: process 0
 
     self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-    tb_dir.mkdir(parents=True, exist_ok=True)
-    now = time.time()
-    name = f"events.out.tfevents.{int(now)}.{socket.gethostname()}{suffix}"
-    self._file, self._flush_s, self._flushed = open(tb_dir / name, "ab"), flush_s, now
-    self._append(self._event(wall_time=now, file_version="brain.Event:2"))
+    self._dir, self._suffix, self._next_name = tb_dir, suffix, name
+    self._dir.mkdir(parents=True, exist_ok=True)
+    self.events: list[bytes] = []
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     values = [self._summary.Value(tag=k, simple_value=v) for k, v in scalars.items()]
-    now = time.time()
-    self._append(
-      self._event(wall_time=now, step=step, summary=self._summary(value=values))
+    event = self._event(
+      wall_time=time.time(), step=step, summary=self._summary(value=values)
     )
-    if now - self._flushed >= self._flush_s:
-      self._file.flush()
-      self._flushed = now
+    self.events.append(_record(event.SerializeToString()))
 
-  def _append(self, event) -> None:
-    from tensorboardX.record_writer import masked_crc32c
+  def flush(self) -> None:
+    if not self.events:
+      return
+    head = self._event(wall_time=time.time(), file_version="brain.Event:2")
+    name = f"events.out.tfevents.{self._next_name():013d}.{socket.gethostname()}"
+    data = b"".join([_record(head.SerializeToString()), *self.events])
+    storage.write_whole(self._dir / f"{name}{self._suffix}", data)
+    self.events = []
 
-    data = event.SerializeToString()
-    header = struct.pack("<Q", len(data))
-    self._file.write(
-      header
-      + struct.pack("<I", masked_crc32c(header))
-      + data
-      + struct.pack("<I", masked_crc32c(data))
+
+def _record(data: bytes) -> bytes:
+  from tensorboardX.record_writer import masked_crc32c
+
+  header = struct.pack("<Q", len(data))
+  return (
+    header
+    + struct.pack("<I", masked_crc32c(header))
+    + data
+    + struct.pack("<I", masked_crc32c(data))
+  )
+
+
+class Log:
+  """The records of a run's folder (the workdir or `eval/`): `metrics.jsonl`
+  of runs from before chunks, then the chunks in order. Chunks never change
+  once written, so a reader polling a live run (the evaluation job) reads
+  each once."""
+
+  def __init__(self, where):
+    self.where = epath.Path(where)
+    self._chunks: dict[str, list[dict]] = {}
+
+  def exists(self) -> bool:
+    return (self.where / LEGACY).exists() or (self.where / "metrics").is_dir()
+
+  def read(self) -> list[dict]:
+    out = (
+      _read_lines((self.where / LEGACY).read_text())
+      if (self.where / LEGACY).exists()
+      else []
     )
-
-  def close(self) -> None:
-    self._file.close()
-
-
-def _drop_partial_line(path: Path) -> None:
-  """Truncates a last line without its newline (a writer killed mid-line)."""
-  if not path.exists() or path.stat().st_size == 0:
-    return
-  size = path.stat().st_size
-  with open(path, "rb+") as f:
-    f.seek(max(0, size - 2**16))  # records are far shorter than this
-    tail = f.read()
-    if not tail.endswith(b"\n"):
-      f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+    folder = self.where / "metrics"
+    names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    for name in names:
+      if name.endswith(".jsonl") and name not in self._chunks:
+        self._chunks[name] = _read_lines((folder / name).read_text())
+    for name in sorted(self._chunks):
+      out += self._chunks[name]
+    return out
 
 
-def read_jsonl(path) -> list[dict]:
-  """The records of a JSONL file; a last line cut short (a writer killed
+_LOGS: dict[str, Log] | None = None  # within `cached()`: one Log per folder
+
+
+def read(where) -> list[dict]:
+  """The records of the run folder `where` (see `Log`); within `cached()`,
+  each chunk is downloaded once however often it is read."""
+  if _LOGS is None:
+    return Log(where).read()
+  return _LOGS.setdefault(str(where), Log(where)).read()
+
+
+@contextlib.contextmanager
+def cached():
+  """For a reader that reads the same runs many times (a report)."""
+  global _LOGS
+  _LOGS = {}
+  try:
+    yield
+  finally:
+    _LOGS = None
+
+
+def _read_lines(text: str) -> list[dict]:
+  """JSONL records; a last line cut short (a writer of the legacy file killed
   mid-line) is left out."""
-  with open(path) as f:
-    lines = [line for line in f if line.strip()]
+  lines = [line for line in text.splitlines(keepends=True) if line.strip()]
   if lines and not lines[-1].endswith("\n"):
     lines.pop()
   return [json.loads(line) for line in lines]

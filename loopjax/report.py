@@ -1,4 +1,4 @@
-"""Figures of a run or a sweep, from the metrics.jsonl the runs wrote.
+"""Figures of a run or a sweep, from the records the runs wrote (`metrics.read`).
 
 `--mode=report --workdir=DIR`: if DIR is a run, `DIR/plots/accuracy.png` holds
 its accuracy per probe split against step (log axis) with the grokking phase
@@ -19,13 +19,14 @@ iterations at evaluations along the run.
 
 import json
 import statistics
-from pathlib import Path
 
+from etils import epath
+
+from loopjax import metrics, storage
 from loopjax.analysis.plots import plt, save
 from loopjax.data.kg import hop_count
 from loopjax.kg import ablations, beyond, grokking
 from loopjax.lm import study as lm_study
-from loopjax.metrics import read_jsonl, wall_times
 from loopjax.workdir import Workdir, run_config
 
 SPLITS = (
@@ -49,8 +50,8 @@ def _evals(records: list[dict]) -> list[dict]:
 LM_LOSS = "eval/validation/loss"
 
 
-def plot_lm(workdir: Path) -> Path:
-  records = read_jsonl(workdir / "metrics.jsonl")
+def plot_lm(workdir: epath.Path) -> epath.Path:
+  records = metrics.read(workdir)
   train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
   evals = [r for r in records if LM_LOSS in r]
   R = run_config(workdir).model.num_loops  # read before a figure is open
@@ -95,15 +96,13 @@ def splits(records: list[dict]) -> list[str]:
   return composition or (["atomic"] if "atomic" in keys else []) + chains
 
 
-def eval_records(workdir: Path) -> list[dict]:
+def eval_records(workdir: epath.Path) -> list[dict]:
   """A run's evaluations: the training loop's, or (trained with
   eval_every=0) those of the evaluation job that followed it."""
-  own = _evals(read_jsonl(workdir / "metrics.jsonl"))
-  job = workdir / "eval" / "metrics.jsonl"
-  return own or (_evals(read_jsonl(job)) if job.exists() else [])
+  return _evals(metrics.read(workdir)) or _evals(metrics.read(workdir / "eval"))
 
 
-def reached_phases(workdir: Path) -> dict:
+def reached_phases(workdir: epath.Path) -> dict:
   """{phase: step}: the training loop's phases.json, or the evaluation job's."""
   if reached := Workdir(workdir).reached():
     return reached
@@ -112,7 +111,7 @@ def reached_phases(workdir: Path) -> dict:
   return {p: s for p, s in found.items() if s is not None}
 
 
-def curves(workdir: Path) -> dict:
+def curves(workdir: epath.Path) -> dict:
   """{split: (steps, accuracies)} at the training depth."""
   records = eval_records(workdir)
   if not records:
@@ -123,7 +122,7 @@ def curves(workdir: Path) -> dict:
   }
 
 
-def plot_run(workdir: Path) -> Path:
+def plot_run(workdir: epath.Path) -> epath.Path:
   fig, ax = plt.subplots(figsize=(7, 4))
   for split, (steps, acc) in curves(workdir).items():
     ax.plot(steps, acc, label=split)
@@ -134,7 +133,7 @@ def plot_run(workdir: Path) -> Path:
   return save(fig, workdir / "plots" / "accuracy.png")
 
 
-def plot_sweep(root: Path, runs: list[Path]) -> Path:
+def plot_sweep(root: epath.Path, runs: list[epath.Path]) -> epath.Path:
   """Composition: train_inferred, test_inferred_id/ood. Chains: held-out
   chains of the four fewest hop counts (where a curriculum is at work)."""
   names = list(dict.fromkeys(n for run in runs for n in curves(run)))
@@ -159,10 +158,10 @@ FINAL = (
 )
 
 
-def results_row(workdir: Path) -> dict:
+def results_row(workdir: epath.Path) -> dict:
   """Steps/s, (step, wall seconds) of each phase, and the last eval's accuracies."""
-  records = read_jsonl(workdir / "metrics.jsonl")
-  walls = wall_times(records)
+  records = metrics.read(workdir)
+  walls = metrics.wall_times(records)
   rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
   evals = eval_records(workdir)
   phases = reached_phases(workdir)
@@ -213,15 +212,30 @@ def _num(x, digits: int) -> str:
   return "-" if x is None else f"{x:.{digits}f}"
 
 
-def report(path: Path) -> list[Path]:
-  """Writes the figures and results.md for a run or a sweep root; returns paths."""
-  if (path / "metrics.jsonl").exists():
+def _is_run(path: epath.Path) -> bool:
+  """Whether `path` holds a run's records (a trainer writes its first one as
+  it starts; a pretrained model's analysis folder has none)."""
+  return metrics.Log(path).exists()
+
+
+def report(path) -> list[epath.Path]:
+  """Writes the figures and results.md for a run or a sweep root (a local
+  path or gs://); returns paths."""
+  path = storage.path(path)
+  with metrics.cached():  # each run's records read once, by every figure
+    return _report(path)
+
+
+def _report(path: epath.Path) -> list[epath.Path]:
+  if _is_run(path):
     Workdir(path).check_writable("", "plots")  # before the work, not after it
     runs, figures = [path], _plot(path)
   else:
-    runs = sorted(p.parent for p in path.glob("*/metrics.jsonl"))
+    runs = sorted(p for p in path.iterdir() if _is_run(p)) if path.is_dir() else []
     if not runs:
-      raise FileNotFoundError(f"{path}: no metrics.jsonl in it or its subfolders")
+      raise FileNotFoundError(
+        f"{path}: no loopjax run's records (metrics/) in it or its subfolders"
+      )
     Workdir(path).check_writable("", "plots")
     for run in runs:
       Workdir(run).check_writable("plots")
@@ -229,14 +243,14 @@ def report(path: Path) -> list[Path]:
     kg = [r for r in runs if not lm_study.is_lm(r)]
     figures += ablations.write(path, kg) + lm_study.write(path, runs)
   table = path / "results.md"
-  table.write_text(results_table([results_row(r) for r in runs]))
+  storage.write_whole(table, results_table([results_row(r) for r in runs]))
   return [*figures, table]
 
 
-def _plot(workdir: Path) -> list[Path]:
+def _plot(workdir: epath.Path) -> list[epath.Path]:
   """A run's figures: a language model's losses, else accuracies (and, for
   chains evaluated at several depths, those beyond the trained hops)."""
-  if any(LM_LOSS in r for r in read_jsonl(workdir / "metrics.jsonl")):
+  if any(LM_LOSS in r for r in metrics.read(workdir)):
     return [plot_lm(workdir)]
   return [plot_run(workdir), *beyond.write(workdir, reached_phases(workdir))]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import jax
 
-from loopjax import checkpoint, sharding
+from loopjax import checkpoint, sharding, storage
 from loopjax import config as config_lib
 from loopjax import task as task_lib
 from loopjax.data import lm
@@ -150,7 +150,7 @@ def language_model(config, workdir=None, num_loops: int | None = None):
   on the run's mesh (`config.mesh`: all devices of all processes)."""
   if pretrained(config):
     return _pretrained(config, num_loops)
-  path = Path(workdir).expanduser() / "tokenizer.json"
+  path = storage.path(workdir) / "tokenizer.json"
   if not path.is_file():
     raise ConfigError(f"--workdir={workdir}: no tokenizer.json; is it an LM run?")
   task = lm.without_streams(config.data, path.read_text())

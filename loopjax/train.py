@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 from loopjax import checkpoint, compiled, footprint, metrics, recurrence, sharding
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, first_line
+from loopjax.lease import LeaseLost
 from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state
 from loopjax.workdir import Fork, Workdir
@@ -161,7 +162,7 @@ def train_and_evaluate(config, workdir) -> dict:
   wd.check_data(dataset)
   fork = None if wd.has_checkpoints() else Fork.of(config, dataset)
   wd.check_writable()
-  with wd.exclusive("train"):
+  with wd.exclusive("train", config.checkpoint.lease_s):
     reached = fork.phases() if fork else {}  # a fork's: the source's, up to it
     try:
       wd.record(config, task, family.phase_names(config), dataset, reached)
@@ -208,7 +209,7 @@ def train_and_evaluate(config, workdir) -> dict:
         config, task, graphdef, mesh=mesh, shardings=shardings["params"]
       ),
       mngr=mngr,
-      writer=metrics.Writer(wd.path / "metrics.jsonl", wd.path / "tb"),
+      writer=metrics.Writer(wd.path, wd.path / "tb"),
       step=start,
     )
     return loop.run_to_end(state)
@@ -247,6 +248,7 @@ class _Loop:
     """Runs, then completes pending saves and flushes logs whatever happened;
     raises RunStopped (checkpoints intact) on a diverged or unwritable run."""
     failure, reason, mngr, wd = None, "stopped", self.mngr, self.wd
+    lost = None
     try:
       self.writer.start(self.step)
       with _Preemption() as preempt:
@@ -254,7 +256,11 @@ class _Loop:
       reason = "finished" if preempt.signal is None else "preempted"
     except (FloatingPointError, OSError) as e:
       failure = e
+    except LeaseLost as e:  # another trainer owns the workdir now
+      lost = e
     finally:  # an error mid-run still completes pending saves and flushes logs
+      if lost is not None:  # saves begun under the lease end; nothing new
+        self.writer.drop()
       try:
         checkpoint.wait(mngr)
       except checkpoint.WriteError as e:
@@ -262,9 +268,17 @@ class _Loop:
       failure = _clean_up(
         failure,
         mngr.close,
-        lambda: self.writer.end(self.step, reason),  # an evaluation job stops waiting
-        self.writer.close,
+        *(
+          ()
+          if lost
+          else (
+            lambda: self.writer.end(self.step, reason),  # an evaluation job stops
+            self.writer.close,
+          )
+        ),
       )
+    if lost is not None:
+      raise RunStopped(str(lost)) from lost
     if failure is not None:
       mngr.reload()  # what is on disk, not orbax's in-memory list
       newest = mngr.latest_step()
@@ -325,14 +339,21 @@ class _Loop:
           if pending is not None:  # never save past a step whose numbers are bad
             last |= _check_finite(*pending)
             pending = None
-          checkpoint.save(self.mngr, step, state, self.train_iter)
+          self._save(step, state)
           saved = step
         progress.update(step, last)
       if preempt.signal is not None and saved != step:
-        checkpoint.save(self.mngr, step, state, self.train_iter)
+        self._save(step, state)
     finally:
       progress.close()
     return step, last
+
+  def _save(self, step: int, state) -> None:
+    """The step's records first (a resume from it repeats none of them),
+    then the checkpoint, if this job still holds the workdir."""
+    self.wd.fence()
+    self.writer.flush()
+    checkpoint.save(self.mngr, step, state, self.train_iter)
 
   def _evaluate(self, state, step: int, last: dict):
     """Evaluates, then applies what the family decides (grokking phases, a

@@ -2,9 +2,11 @@
 
 `workdir/` holds `config.json` and `dataset.json` (what the run is), `phases.json`
 (the step each named phase was first reached, null until then), `checkpoints/`,
-the logs, and a lock per training process. A new config may reuse a workdir only
-if it differs in RESUMABLE fields; a run on other data refuses to start; so
-does a second trainer. Only this module writes these records.
+the logs, and the single-writer rule's lock (a disk) or lease (a bucket). A new
+config may reuse a workdir only if it differs in RESUMABLE fields; a run on
+other data refuses to start; so does a second trainer. Only this module writes
+these records, each whole (`storage.write_whole`). The workdir may be a local
+path or `gs://BUCKET/PATH` (`storage.path`): one code path for both.
 """
 
 import contextlib
@@ -13,14 +15,17 @@ import fcntl
 import json
 import os
 import tempfile
-from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
+from jax.experimental import multihost_utils
 
-from loopjax import checkpoint, sharding
+from loopjax import checkpoint, sharding, storage
 from loopjax import config as config_lib
 from loopjax.errors import ConfigError, first_line
+from loopjax.lease import Lease, LeaseLost
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -71,7 +76,7 @@ def _short(value, limit: int = 60) -> str:
   return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
 
 
-def read_json(path: Path, like: dict | None = None):
+def read_json(path: epath.Path, like: dict | None = None):
   """A record of the run; one that cannot be read or does not parse (cut
   short by a full disk, edited by hand), or that is not shaped `like` (an
   object, with an object wherever `like` has one), is a ConfigError naming it."""
@@ -93,7 +98,7 @@ def read_json(path: Path, like: dict | None = None):
   return data
 
 
-def _check_shape(value, like: dict, path: Path, at: str = "") -> None:
+def _check_shape(value, like: dict, path: epath.Path, at: str = "") -> None:
   if not isinstance(value, dict):
     raise ConfigError(
       f"{path}: {at[:-1] or 'the file'} must be a JSON object, not "
@@ -104,7 +109,7 @@ def _check_shape(value, like: dict, path: Path, at: str = "") -> None:
       _check_shape(value[k], sub, path, f"{at}{k}.")
 
 
-def run_config(path: Path):
+def run_config(path):
   """The config of the run in `path`, read as `Workdir.saved_config` reads
   it, for the readers of finished runs (reports); none is a ConfigError."""
   config = Workdir(path).saved_config()
@@ -123,24 +128,17 @@ def _tuples(value):
   return value
 
 
-def write_atomic(path: Path, text: str) -> None:
-  """Whole files only: another process (an evaluation job, another host) may be
-  reading them. One writer per file (the locks), so one temporary name."""
-  tmp = path.with_name(f".{path.name}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, path)
-
-
 class Workdir:
   """One run's directory. Reading is safe beside a live trainer; writing
   (`record`, `reach`, the checkpoints) is for the one holding `exclusive`."""
 
   def __init__(self, path):
-    self.path = Path(path)
+    self.path = storage.path(path)
     self._phases = self._read_phases()
+    self._lease = None
 
   @property
-  def checkpoint_dir(self) -> Path:
+  def checkpoint_dir(self) -> epath.Path:
     return self.path / "checkpoints"
 
   def saved_config(self):
@@ -186,7 +184,9 @@ class Workdir:
   def check_writable(self, *folders: str) -> None:
     """Fails now, not at the first checkpoint or result, if the workdir (or
     each of its `folders`, made if missing) cannot be written: read-only, a
-    file in the way, another user's."""
+    file in the way, another user's; a bucket that does not exist or answer."""
+    if storage.is_bucket(self.path):  # no folders on a bucket: one probe
+      return storage.check_bucket(self.path)
     for where in [self.path / f for f in folders] or [self.path]:
       try:
         where.mkdir(parents=True, exist_ok=True)
@@ -199,19 +199,60 @@ class Workdir:
           f"--workdir={self.path}: cannot write {there} ({why or e.strerror or e})"
         ) from e
 
-  def exclusive(self, role: str = "train"):
-    """One trainer (role "train", per process) or one evaluation job ("follow")
-    per workdir: a second would interleave checkpoints, logs or evaluations.
-    The OS drops the lock when the process ends, however it ends."""
-    if role == "train":
-      path, doing = (
-        self.path / f".train-{jax.process_index()}.lock",
-        "is training there",
-      )
-    else:  # the evaluation job writes under eval/ only
-      path, doing = self.path / "eval" / ".follow.lock", "is following it"
+  def exclusive(self, role: str = "train", stale_s: float = 120.0):
+    """One trainer (role "train") or one evaluation job ("follow") per
+    workdir: a second would interleave checkpoints, logs or evaluations. On
+    a disk a lock per process, which the OS drops however the process ends;
+    on a bucket process 0's lease (`lease.py`), taken over once `stale_s`
+    seconds without renewal, checked before every save (`fence`)."""
+    who = f"--workdir={self.path}: another process"
+    train = role == "train"  # else the evaluation job: it writes under eval/
+    doing = "is training there" if train else "is following it"
+    if storage.is_bucket(self.path):
+      where = self.path / ("lease.json" if train else "eval/lease.json")
+      return self._leased(Lease(where, who, doing, stale_s))
+    if train:
+      path = self.path / f".train-{jax.process_index()}.lock"
+    else:
+      path = self.path / "eval" / ".follow.lock"
       path.parent.mkdir(exist_ok=True)
-    return _locked(path, f"--workdir={self.path}: another process", doing)
+    return _locked(path, who, doing)
+
+  @contextlib.contextmanager
+  def _leased(self, lease: Lease):
+    """Process 0 holds the lease for the whole job; every process learns
+    whether it got it, so all stop together."""
+    error = None
+    if jax.process_index() == 0:
+      try:
+        lease.acquire()
+      except ConfigError as e:
+        error = e
+    if not _all_agree(error is None):
+      raise error or ConfigError(
+        f"--workdir={self.path}: process 0 could not take the lease (its log says why)"
+      )
+    self._lease = lease if jax.process_index() == 0 else None
+    try:
+      yield
+    finally:
+      if self._lease is not None:
+        self._lease.release()
+      self._lease = None
+
+  def fence(self) -> None:
+    """Before a save: raises LeaseLost, on every process, if this job's lease
+    was taken over (a bucket only; a disk's lock cannot be)."""
+    if not storage.is_bucket(self.path):
+      return
+    lost = None
+    if self._lease is not None:
+      try:
+        self._lease.check()
+      except LeaseLost as e:
+        lost = e
+    if not _all_agree(lost is None):
+      raise lost or LeaseLost(f"process 0 lost the lease on {self.path}")
 
   def fingerprint(self) -> str | None:
     """The fingerprint of the data the run was trained on (dataset.json);
@@ -251,10 +292,10 @@ class Workdir:
     self._phases = dict.fromkeys(phases) | (reached or {}) | self._phases
     if sharding.writes():
       self.path.mkdir(parents=True, exist_ok=True)
-      write_atomic(self.path / "config.json", config_lib.to_json(config))
-      write_atomic(saved, json.dumps(dataset, indent=2))
+      storage.write_whole(self.path / "config.json", config_lib.to_json(config))
+      storage.write_whole(saved, json.dumps(dataset, indent=2))
       if (tok := getattr(task, "tokenizer_json", None)) is not None:
-        write_atomic(self.path / "tokenizer.json", tok)  # sampling reads it here
+        storage.write_whole(self.path / "tokenizer.json", tok)  # sampling reads it
       self._write_phases()
 
   @property
@@ -280,17 +321,22 @@ class Workdir:
     return read_json(path, {}) if path.exists() else {}
 
   def _write_phases(self) -> None:
-    write_atomic(self.path / "phases.json", json.dumps(self._phases, indent=2))
+    storage.write_whole(self.path / "phases.json", json.dumps(self._phases, indent=2))
 
   def checkpoints(self, cfg, read_only: bool = False) -> ocp.CheckpointManager:
     """The orbax manager of `checkpoints/`: keeps the last `cfg.keep`, every
     `cfg.keep_every`-th step, and the steps of reached phases. `read_only`:
     for readers beside a trainer (evaluation), which create and delete nothing."""
+    where = (  # orbax takes absolute paths only
+      self.checkpoint_dir
+      if storage.is_bucket(self.path)
+      else self.checkpoint_dir.absolute()
+    )
     if read_only:  # it never saves, so it never deletes either
       options = ocp.CheckpointManagerOptions(create=False)
-      return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
+      return ocp.CheckpointManager(where, options=options)
     cm = ocp.checkpoint_managers
-    policies = [cm.LatestN(n=cfg.keep), _Kept(self)]
+    policies = [checkpoint.LatestGood(self.checkpoint_dir, cfg.keep), _Kept(self)]
     if cfg.keep_every:
       policies.append(cm.EveryNSteps(interval_steps=cfg.keep_every))
     options = ocp.CheckpointManagerOptions(
@@ -298,11 +344,18 @@ class Workdir:
       enable_async_checkpointing=cfg.async_save,
       create=True,
     )
-    return ocp.CheckpointManager(self.checkpoint_dir.absolute(), options=options)
+    return ocp.CheckpointManager(where, options=options)
+
+
+def _all_agree(ok: bool) -> bool:
+  """Process 0's `ok`, on every process."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
 
 
 @contextlib.contextmanager
-def _locked(path: Path, who: str, doing: str):
+def _locked(path: epath.Path, who: str, doing: str):
   with open(path, "a+") as f:
     try:
       fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -350,10 +403,9 @@ class Fork:
     if not spec:
       return None
     head, _, tail = spec.rpartition(":")
-    path, step = (
-      (Path(head), int(tail)) if head and tail.isdigit() else (Path(spec), None)
-    )
-    source, field = Workdir(path.expanduser()), "checkpoint.fork_from"
+    field = "checkpoint.fork_from"
+    path, step = (head, int(tail)) if head and tail.isdigit() else (spec, None)
+    source = Workdir(storage.path(path, field))
     if not (source.path / "config.json").is_file():
       raise ConfigError(f"{field}: {source.path} holds no run (no config.json)")
     old = read_json(source.path / "config.json", config_lib.base().to_dict())

@@ -45,21 +45,44 @@ def tiny_config(tmp_path):
 
 
 def losses(workdir):
-  """{step: train/loss} from a run's metrics.jsonl (a re-logged step: the last)."""
+  """{step: train/loss} from a run's records (a re-logged step: the last)."""
   from loopjax import metrics
 
   return {
-    r["step"]: r["train/loss"]
-    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
-    if "train/loss" in r
+    r["step"]: r["train/loss"] for r in metrics.read(workdir) if "train/loss" in r
   }
 
 
 def steps_on_disk(workdir):
-  """The complete checkpoints' steps, sorted."""
-  return sorted(
-    int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()
-  )
+  """The complete checkpoints' steps, sorted: on a bucket, those with orbax's
+  commit marker."""
+  from etils import epath
+
+  from loopjax import storage
+
+  folder = epath.Path(str(workdir)) / "checkpoints"
+  steps = [p for p in folder.iterdir() if p.name.isdigit()]
+  if storage.is_bucket(folder):
+    steps = [p for p in steps if (p / "commit_success.txt").exists()]
+  return sorted(int(p.name) for p in steps)
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS emulator for this test session (loopjax/bench/emulator.py), its
+  environment set in this process; subprocesses take `CPU_ENV | gcs.env`."""
+  from loopjax.bench import emulator
+
+  server = emulator.Emulator()
+  emulator.activate(server.env)
+  yield server
+  server.stop()
+
+
+@pytest.fixture
+def bucket(gcs) -> str:
+  """gs:// of a new, empty bucket on the emulator."""
+  return f"gs://{gcs.bucket()}"
 
 
 def cli(workdir, data_dir, *extra, config="experiments/sysgen.py:tiny"):

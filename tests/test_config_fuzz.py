@@ -285,7 +285,7 @@ def _write(path, value) -> None:
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
   """The tiny config (as config.json holds it) with its data prepared once,
-  and a metrics.jsonl of a language model's evaluation for `--mode=report`."""
+  and a language model's evaluation record for `--mode=report`."""
   root = tmp_path_factory.mktemp("records")
   config = TINY | {"data": TINY["data"] | {"data_dir": str(root / "data")}}
   (root / "run").mkdir()
@@ -307,7 +307,8 @@ def _check_records(prepared, mode, edits, dataset):
   _write(run / "config.json", _edited(config, edits))
   if dataset is not None:
     _write(run / "dataset.json", dataset)
-  (run / "metrics.jsonl").write_text(METRICS)
+  (run / "metrics").mkdir()
+  (run / "metrics" / "0000000000001.jsonl").write_text(METRICS)
   given = ["--config=experiments/sysgen.py:tiny"]
   given.append(f"--config.data.data_dir={config['data']['data_dir']}")
   args = {

@@ -49,9 +49,7 @@ def small_chains(**kw):
 
 def stages(workdir):
   return {
-    r["step"]: r["train/stage"]
-    for r in metrics.read_jsonl(workdir / "metrics.jsonl")
-    if "train/stage" in r
+    r["step"]: r["train/stage"] for r in metrics.read(workdir) if "train/stage" in r
   }
 
 

@@ -44,10 +44,12 @@ def _run_to(config, workdir, step):
 
 
 def _keep_records_to(workdir, step):
-  """Drops the copied run's later metrics, so what follows is the new run's."""
-  path = workdir / "metrics.jsonl"
-  kept = [r for r in metrics.read_jsonl(path) if r["step"] <= step]
-  path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+  """Drops the copied run's later records, so what follows is the new run's."""
+  kept = [r for r in metrics.read(workdir) if r["step"] <= step]
+  shutil.rmtree(workdir / "metrics")
+  (workdir / "metrics").mkdir()
+  chunk = workdir / "metrics" / "0000000000001.jsonl"
+  chunk.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
 
 def _flip(path):
@@ -113,13 +115,15 @@ def test_damaged_newest_checkpoint_is_set_aside(straight, tmp_path, capsys, dama
   _run_to(config, workdir, 120)
   out = capsys.readouterr().out
   assert re.search(
-    r"checkpoint 80 is damaged \(.+\); moved it to .*checkpoints_corrupt/80", out
+    r"checkpoint 80 is damaged \(.+\); set aside in checkpoints_damaged.json", out
   ), out
   if damage is _flip:  # the bytes still decode: only the checksums catch it
     assert "checksum mismatch" in out, out
   assert "TensorStore details" not in out and "<bound method" not in out, out
   assert "resumed from" in out and "at step 60" in out
-  assert (workdir / "checkpoints_corrupt/80/state").is_dir()  # kept, not deleted
+  # Kept until the run trained to step 80 again; the record says why it went.
+  record = json.loads((workdir / checkpoint.DAMAGED).read_text())
+  assert record["damaged"] == {} and list(record["replaced"]) == ["80"]
   assert steps_on_disk(workdir) == [20, 40, 60, 80, 100, 120]
   # Steps 61-120 were trained again from step 60 and logged a second time; the
   # later records must equal the uninterrupted run's.

@@ -45,8 +45,7 @@ def _follower(workdir):
 
 
 def _evaluated(workdir) -> list[int]:
-  log = workdir / "eval" / "metrics.jsonl"
-  return [r["step"] for r in metrics.read_jsonl(log)] if log.exists() else []
+  return [r["step"] for r in metrics.read(workdir / "eval")]
 
 
 # ~29 s: two followers and a trainer as processes (the tests below keep the
@@ -79,15 +78,13 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
   assert 2 <= len(at_kill) < len(steps)  # killed midway
   assert sorted(_evaluated(workdir)) == steps  # each exactly once
   assert f"{len(at_kill)} checkpoints already evaluated" in out_second
-  assert not any("eval/" in r for r in metrics.read_jsonl(workdir / "metrics.jsonl"))
+  assert not any("eval/" in r for r in metrics.read(workdir))
 
   # The follower's numbers are an evaluation of that checkpoint.
   tiny_config.data.data_dir = str(data_dir)
   task, model, _ = restore.from_checkpoint(tiny_config, workdir, step=200)
   want = Evaluator(model.graphdef, tiny_config, task).run(model.params)
-  got = next(
-    r for r in metrics.read_jsonl(workdir / "eval/metrics.jsonl") if r["step"] == 200
-  )
+  got = next(r for r in metrics.read(workdir / "eval") if r["step"] == 200)
   for k, v in want.items():
     np.testing.assert_allclose(got[k], v, rtol=1e-6, err_msg=k)
   report = json.loads((workdir / "eval/step_200.json").read_text())
@@ -95,7 +92,10 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
     report["splits"]["test_inferred_id"]["acc"]["2"]
     == want["eval/test_inferred_id/acc"]
   )
-  assert len(list((workdir / "tb").glob("events.*.eval_job"))) == 2  # 2 followers
+  points = [  # each evaluation's TensorBoard point once, across both followers
+    e.step for f in (workdir / "tb").glob("events.*.eval_job") for e in _events(f)[1:]
+  ]
+  assert sorted(points) == steps
 
 
 @pytest.fixture
@@ -129,9 +129,9 @@ def test_a_checkpoint_deleted_before_its_turn_is_skipped(finished, capsys):
 def test_a_trainer_that_stopped_early_ends_the_follower(finished):
   config, workdir = finished
   config.train.num_steps = 100  # what the trainer was asked for
-  with open(workdir / "metrics.jsonl", "a") as f:  # its end record, after ours
-    end = {"step": 40, "time": time.time() + 60, "event": "end", "reason": "stopped"}
-    f.write(json.dumps(end) + "\n")
+  end = {"step": 40, "time": time.time() + 60, "event": "end", "reason": "stopped"}
+  chunk = workdir / "metrics" / "9999999999999.jsonl"  # its end record, after ours
+  chunk.write_text(json.dumps(end) + "\n")
   with pytest.raises(follow.TrainerStopped, match="stopped at step 40 \\(stopped\\)"):
     follow.follow(workdir, config, poll_s=0.01)
   assert _evaluated(workdir) == [20, 40]  # everything it saved, first
@@ -144,16 +144,14 @@ def test_one_follower_per_workdir(finished):
       follow.follow(workdir, config, poll_s=0.01)
 
 
-def test_a_line_cut_short_by_a_kill_is_dropped_before_appending(tmp_path):
-  log = tmp_path / "metrics.jsonl"
-  log.write_text('{"step": 20, "a": 1.0}\n{"step": 40, "a"')
-  writer = metrics.Writer(log, tmp_path / "tb")
+def test_a_legacy_log_cut_short_by_a_kill_is_read_without_its_last_line(tmp_path):
+  """Runs from before chunks appended to metrics.jsonl; they resume into
+  chunks and are read as one history."""
+  (tmp_path / "metrics.jsonl").write_text('{"step": 20, "a": 1.0}\n{"step": 40, "a"')
+  writer = metrics.Writer(tmp_path, tmp_path / "tb")
   writer.write(40, {"a": 2.0})
   writer.close()
-  assert [(r["step"], r["a"]) for r in metrics.read_jsonl(log)] == [
-    (20, 1.0),
-    (40, 2.0),
-  ]
+  assert [(r["step"], r["a"]) for r in metrics.read(tmp_path)] == [(20, 1.0), (40, 2.0)]
 
 
 def _events(path):
@@ -174,13 +172,11 @@ def _events(path):
 
 @pytest.mark.parametrize("section", [None, "eval_job"])
 def test_tensorboard_points_are_whole_records_with_their_tags(tmp_path, section):
-  writer = metrics.Writer(tmp_path / "m.jsonl", tmp_path / "tb", tb_section=section)
+  writer = metrics.Writer(tmp_path, tmp_path / "tb", tb_section=section)
   writer.write(20, {"loss": 2.5, "eval/acc": 0.25})
   writer.write(40, {"loss": 1.5, "eval/acc": 0.75})
-  if section:  # an evaluation job's points are on disk at once
-    (path,) = (tmp_path / "tb").iterdir()
-    assert len(_events(path)) == 3
-  writer.close()
+  assert not (tmp_path / "tb").exists() or not any((tmp_path / "tb").iterdir())
+  writer.close()  # one event file, written whole
   (path,) = (tmp_path / "tb").iterdir()
   assert path.name.endswith(f".{section}" if section else socket.gethostname())
   header, *points = _events(path)
@@ -194,15 +190,16 @@ def test_tensorboard_points_are_whole_records_with_their_tags(tmp_path, section)
   ]
 
 
-def test_a_full_disk_under_tensorboard_raises_in_the_writers_thread(tmp_path):
+def test_a_full_disk_under_the_logs_raises_in_the_callers_thread(tmp_path):
   """tensorboardX's SummaryWriter wrote from a thread of its own, which died on
-  this while the next points waited for it for ever. The JSONL file goes to
-  /dev/null (no size limit) so that the event file is the one to fill."""
+  this while the next points waited for it for ever. Here a chunk too large
+  for the file size limit fails in the caller, with its errno, at once."""
   script = (
     "import sys; from pathlib import Path; from loopjax import metrics\n"
-    "w = metrics.Writer(Path('/dev/null'), Path(sys.argv[1]))\n"
+    "w = metrics.Writer(Path(sys.argv[1]) / 'run', Path(sys.argv[1]))\n"
     "try:\n"
-    "  for step in range(1000): w.write(step, {'a': 1.0, 'b': 2.0})\n"
+    "  for step in range(1000): w.write(step, {'a': 1.0, 'b': 2.0 * step})\n"
+    "  w.close()\n"
     "except OSError as e: print(e.errno)\n"
   )
   limited = f'trap "" XFSZ; ulimit -f 4; exec {sys.executable} -c "$0" "$1"'

@@ -96,8 +96,9 @@ def test_tpu_creates_the_slice_only_when_missing(monkeypatch, exists):
 
 def test_remote_runs_need_an_absolute_workdir(capsys):
   for main in (slurm.main, lambda a: tpu.main(["--name=lj", "--zone=z", *a])):
-    with pytest.raises(SystemExit, match="--workdir: must be an absolute path"):
+    with pytest.raises(SystemExit, match="--workdir: must be gs://BUCKET/PATH or an"):
       main(["--dry-run", "--", "--config=x.py", "--workdir=runs/x"])
+    assert main(["--dry-run", "--", "--config=x.py", "--workdir=gs://b/x"]) == 0
 
 
 def test_sweep_submits_one_slurm_job_per_point(tmp_path, capsys):

@@ -285,7 +285,8 @@ def test_analyze_writes_fixed_points_stages_and_attention(tmp_path):
   run = out.parent
   (run / "config.json").write_text(json.dumps(config.to_dict()))
   record = {"step": 20, "eval/validation/loss": 5.0, "eval/validation/loss@4": 5.5}
-  (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+  (run / "metrics").mkdir()
+  (run / "metrics" / "0000000000001.jsonl").write_text(json.dumps(record) + "\n")
   md, png = lm_study.write(tmp_path, [run])
   assert png.exists()
   cells = md.read_text().splitlines()[2].split(" | ")

@@ -306,6 +306,26 @@ def test_a_bad_harness_batch_size_flag_is_one_line():
     harness._precheck(["--model", "loopjax", "--batch_size=0x"])
 
 
+def test_the_requests_record_on_a_bucket_keeps_every_call(bucket):
+  """Each call's requests follow the earlier calls' in the record: on a
+  bucket, where an append would replace the object, it is rewritten whole."""
+  from types import SimpleNamespace
+
+  from loopjax import storage
+
+  model = harness.LoopjaxLM.__new__(harness.LoopjaxLM)
+  model.record = storage.path(f"{bucket}/lm_eval/requests_r2.jsonl")
+  request = lambda i: SimpleNamespace(task_name="t", doc_id=i, idx=0)  # noqa: E731
+  model._write([request(0)], "loglikelihood", [2.0])
+  model._write([request(1), request(2)], "generate_until", [[2, 1], [2]])
+  lines = [json.loads(x) for x in model.record.read_text().splitlines()]
+  assert [(x["doc_id"], x["request"], x["iterations"]) for x in lines] == [
+    (0, "loglikelihood", 2.0),
+    (1, "generate_until", [2, 1]),
+    (2, "generate_until", [2]),
+  ]
+
+
 @pytest.mark.slow
 def test_the_harness_command_line_and_mode_lm_eval_score_the_model(tasks, tmp_path):
   """`--model loopjax` through the harness's own command line, and

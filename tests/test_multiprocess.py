@@ -13,6 +13,7 @@ import pytest
 from conftest import (
   CPU_ENV,
   cli,
+  losses,
   offline_env,
   run,
   steps_on_disk,
@@ -71,13 +72,6 @@ def _on_two(cmd, devices=4, launcher=(), timeout=300, env=CPU_ENV):
   )
 
 
-def _losses(workdir):
-  lines = (workdir / "metrics.jsonl").read_text().splitlines()
-  return {
-    r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r
-  }
-
-
 @pytest.mark.slow  # ~30 s: the default suite stays under 6 minutes on 2 cores
 def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
   """2 processes (data parallel over their devices): a run to step 20 and its
@@ -93,12 +87,9 @@ def test_two_processes_train_to_a_checkpoint_and_resume(tmp_path):
     assert f"[{i}] resumed from" in second.stdout
   assert steps_on_disk(workdir) == [20, 40]
   assert "[eval] follow: the run has finished (step 40); done" in second.stdout
-  evaluated = [r["step"] for r in metrics.read_jsonl(workdir / "eval/metrics.jsonl")]
+  evaluated = [r["step"] for r in metrics.read(workdir / "eval")]
   assert sorted(evaluated) == [20, 40]
-  records = [
-    json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()
-  ]
-  logged = [r["step"] for r in records if "train/loss" in r]
+  logged = [r["step"] for r in metrics.read(workdir) if "train/loss" in r]
   assert logged == sorted(set(logged)) and logged[-1] == 40  # one writer
 
 
@@ -120,7 +111,7 @@ def test_processes_holding_the_same_rows_feed_the_same_examples(tmp_path):
     timeout=300,
   )
   assert one.returncode == 0, one.stderr[-3000:]
-  want, got = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  want, got = losses(tmp_path / "one"), losses(tmp_path / "two")
   assert list(got) == list(want) == [10]
   assert abs(got[10] - want[10]) < 1e-5 * abs(want[10])
 
@@ -138,8 +129,7 @@ def test_a_dead_peer_ends_the_others_with_a_clear_error(tmp_path):
   ]
   try:
     deadline = time.monotonic() + 240
-    metrics = tmp_path / "run" / "metrics.jsonl"
-    while not (metrics.exists() and "train/loss" in metrics.read_text()):
+    while not losses(tmp_path / "run"):  # a first chunk of records
       assert time.monotonic() < deadline and procs[0].poll() is None
       time.sleep(1)
     procs[1].kill()
@@ -169,9 +159,8 @@ def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path):
     for c, log in zip(local.commands(cmd, 2, local.free_port()), logs, strict=True)
   ]
   try:
-    metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 240
-    while not (metrics.exists() and "train/loss" in metrics.read_text()):
+    while not losses(tmp_path / "run"):  # a first chunk of records
       assert time.monotonic() < deadline and procs[0].poll() is None
       time.sleep(1)
     procs[1].send_signal(signal.SIGTERM)

@@ -1,16 +1,19 @@
-"""Report figures come from metrics.jsonl (no training needed here)."""
+"""Report figures come from a run's records (no training needed here): the
+trainer's chunks (`metrics/<ms>.jsonl`), or a legacy `metrics.jsonl`."""
 
 import json
 
 import pytest
+from etils import epath
 
-from loopjax import report
+from loopjax import report, storage
 from loopjax.kg import beyond
 
 
 def fake_run(workdir, ood_final):
-  workdir.mkdir(parents=True)
-  with open(workdir / "metrics.jsonl", "w") as f:
+  """A run's records as the trainer writes them: one chunk."""
+  (workdir / "metrics").mkdir(parents=True)
+  with (workdir / "metrics" / "0000000000001.jsonl").open("w") as f:
     f.write(json.dumps({"step": 0, "time": 0.0, "event": "start"}) + "\n")
     for step in (100, 1000, 10000):
       train = {"train/loss": 1.0, "train/acc": 0.5}
@@ -40,9 +43,28 @@ def test_sweep_root_gets_every_run_and_an_overlay(tmp_path):
     fake_run(tmp_path / f"num_loops={r}", ood)
   paths = report.report(tmp_path)
   assert paths[-2:] == [tmp_path / "plots/sweep.png", tmp_path / "results.md"]
-  assert len(paths) == 4 and all(p.stat().st_size > 1000 for p in paths[:3])
+  assert len(paths) == 4 and all(p.stat().length > 1000 for p in paths[:3])
   lines = paths[-1].read_text().splitlines()
   assert [x.split(" | ")[0] for x in lines[2:]] == ["| num_loops=1", "| num_loops=2"]
+
+
+def test_a_sweep_on_a_bucket_is_reported_as_on_a_disk(bucket):
+  """gs://: the runs found (a chunked one, a legacy one), the figures and
+  results.md written there as objects, nothing on the local disk."""
+  root = storage.path(bucket) / "sweep"
+  fake_run(root / "a", 0.5)
+  fake_chains_run(root / "b")
+  (root / "a.log").write_text("a launcher's log beside the runs\n")
+  paths = report.report(f"{bucket}/sweep")
+  assert [str(p) for p in paths] == [
+    f"{bucket}/sweep/{p}"
+    for p in ("a/plots/accuracy.png", "b/plots/accuracy.png")
+    + ("plots/sweep.png", "results.md")
+  ]
+  assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths[:3])
+  lines = paths[-1].read_text().splitlines()
+  assert [x.split(" | ")[:2] for x in lines[2:]] == [["| a", "10000"], ["| b", "1000"]]
+  assert not epath.Path("gs:").exists()
 
 
 def test_wall_times_add_up_resumed_segments():
@@ -59,13 +81,14 @@ def test_wall_times_add_up_resumed_segments():
 
 
 def test_nothing_to_report(tmp_path):
-  with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+  with pytest.raises(FileNotFoundError, match=r"no loopjax run.s records \(metrics/\)"):
     report.report(tmp_path)
 
 
 def fake_chains_run(workdir, evals=True):
+  """A run from before chunks: its records in one legacy metrics.jsonl."""
   workdir.mkdir(parents=True)
-  with open(workdir / "metrics.jsonl", "w") as f:
+  with (workdir / "metrics.jsonl").open("w") as f:
     f.write(json.dumps({"step": 0, "time": 0.0, "event": "start"}) + "\n")
     for step in (500, 1000):
       train = {"train/loss": 1.0, "train/acc": 0.5, "train/stage": 2}
@@ -115,8 +138,8 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
   fake_chains_run(run)
   (run / "config.json").write_text(config_lib.to_json(c))
   (run / "phases.json").write_text(json.dumps({"stage_3": 500, "stage_4": 1500}))
-  (run / "eval").mkdir()
-  with open(run / "eval" / "metrics.jsonl", "w") as f:
+  (run / "eval" / "metrics").mkdir(parents=True)  # the evaluation job's chunk
+  with open(run / "eval" / "metrics" / "0000000000001.jsonl", "w") as f:
     for step, acc in (
       (1000, {4: 0.1, 6: 0.4, 8: 0.4}),
       (2000, {4: 0.2, 6: 0.3, 8: 0.7}),

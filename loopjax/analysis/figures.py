@@ -2,9 +2,8 @@
 and the halting table (knowledge-graph probe splits; their records:
 kg/analyses.py)."""
 
-from pathlib import Path
-
 import numpy as np
+from etils import epath
 
 from loopjax.analysis.plots import markdown, plt, save
 from loopjax.data.kg import hop_count
@@ -24,7 +23,7 @@ def _lines(names):
   ]
 
 
-def overthinking(report: dict, out_dir: Path) -> list[Path]:
+def overthinking(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Accuracy and mean logit margin against iterations, one line per split."""
   curves = report["overthinking"]
   fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -59,7 +58,7 @@ def _test_splits(rows) -> list[str]:
   return tests or names
 
 
-def halting(report: dict, out_dir: Path) -> list[Path]:
+def halting(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Left: accuracy against mean iterations (test splits pooled), one line per
   criterion through its thresholds. Right: per split, the default rules."""
   rows = report["halting"]

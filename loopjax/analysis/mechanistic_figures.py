@@ -5,9 +5,8 @@ Each figure shows the run's main held-out split (`main_split` in the report:
 OOD composition, or the deepest trained k); the tables cover every split.
 """
 
-from pathlib import Path
-
 import numpy as np
+from etils import epath
 
 from loopjax.analysis.plots import markdown, plt, save
 
@@ -42,7 +41,7 @@ def _ticks(R: int):
   return [x - 1 for x in r], [str(x) for x in r]
 
 
-def logit_lens(report: dict, out_dir: Path) -> list[Path]:
+def logit_lens(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Mean reciprocal rank of the bridge and of the answer, read at the first
   relation's position and at the answer position, per iteration x layer; with
   the grokking phases', the same across them (`lens_phases`)."""
@@ -62,7 +61,7 @@ def logit_lens(report: dict, out_dir: Path) -> list[Path]:
   return paths
 
 
-def lens_phases(report: dict, path: Path) -> Path:
+def lens_phases(report: dict, path: epath.Path) -> epath.Path:
   """Bridge MRR at the relation position and answer MRR at the answer position
   after each iteration (last core layer), one line per grokking phase."""
   split = report["main_split"]
@@ -91,7 +90,7 @@ def lens_phases(report: dict, path: Path) -> Path:
   return save(fig, path)
 
 
-def fixed_points(report: dict, out_dir: Path) -> list[Path]:
+def fixed_points(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Per layer, against iterations (log scales): the change of what the next
   layer reads (median over tokens, band to the 90th percentile) beside the
   raw residual-stream change; the change of the update and 1 - cosine; and
@@ -162,7 +161,7 @@ def fixed_points(report: dict, out_dir: Path) -> list[Path]:
   return [save(fig, out_dir / "fixed_points.png")]
 
 
-def attention(report: dict, out_dir: Path) -> list[Path]:
+def attention(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Per layer and head: ColSum concentration (uniform attention's dashed) and
   pattern change per iteration; the normalized column sums at the last
   iteration."""
@@ -204,7 +203,7 @@ def attention(report: dict, out_dir: Path) -> list[Path]:
   return [save(fig, out_dir / "attention.png")]
 
 
-def activations(report: dict, out_dir: Path) -> list[Path]:
+def activations(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Largest |activation| over the median, per iteration and layer."""
   split, act = main_result(report, "activations")
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))

@@ -4,7 +4,8 @@ run's header and the result under the analysis's name) is shown."""
 import dataclasses
 import json
 from collections.abc import Callable
-from pathlib import Path
+
+from etils import epath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,13 +24,14 @@ class Analysis:
 
   table: Callable[[dict], str]  # report -> markdown
   summary: Callable[[dict], str]  # report -> the console line
-  plot: Callable[[dict, Path], list[Path]] | None = None  # (report, out_dir)
+  # (report, out_dir) -> the figures' paths
+  plot: Callable[[dict, epath.Path], list[epath.Path]] | None = None
   compute: Callable | None = None
   summarize: Callable | None = None
   per_example: Callable | None = None
   phases: bool = False
 
-  def write(self, name: str, report: dict, out_dir: Path) -> list[Path]:
+  def write(self, name: str, report: dict, out_dir: epath.Path) -> list[epath.Path]:
     """<name>.json, <name>.md and the figures under `out_dir`; prints the
     console line."""
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]

@@ -1,9 +1,8 @@
 """The stages-of-inference figure, table and summary (`stages.py`'s results;
 its record: lm/analyses.py)."""
 
-from pathlib import Path
-
 import numpy as np
+from etils import epath
 
 from loopjax.analysis.mechanistic_figures import main_result
 from loopjax.analysis.plots import markdown, plt, save
@@ -19,7 +18,7 @@ PANELS = (
 )
 
 
-def plot(report: dict, out_dir: Path) -> list[Path]:
+def plot(report: dict, out_dir: epath.Path) -> list[epath.Path]:
   """Every statistic against effective depth in one column of panels; shaded
   bands mark every other iteration of the core (darker: within the trained R)."""
   split, res = main_result(report, "stages")
@@ -101,7 +100,7 @@ def summary(report: dict) -> str:
   )
 
 
-def compare(report: dict, baseline: dict, out_dir: Path) -> list[Path]:
+def compare(report: dict, baseline: dict, out_dir: epath.Path) -> list[epath.Path]:
   """The looped model's statistics and a feedforward baseline's (MECH: the
   block repeats the feedforward stages in every iteration) against depth as
   a share of each model's own (0: embedding, 1: last layer)."""

@@ -5,6 +5,8 @@
   taskset -c 0 python -m loopjax.bench data --config=experiments/sysgen.py:paper
   python -m loopjax.bench generation --config=experiments/lm.py:cpu
   python -m loopjax.bench first_step --config=experiments/sysgen.py:paper
+  python -m loopjax.bench storage --config=experiments/sysgen.py:cpu \
+      --config.train.num_steps=10000 --config.checkpoint.every=1000
   python -m loopjax.bench accelerator --out=DIR [--smoke]
 
 `step`: loopjax's train step (examples/s, tokens/s, FLOP/s, MFU against the
@@ -25,6 +27,9 @@ and backward by each kernel the backend runs, against XLA's
 different lengths against one at a time (loopjax/bench/generation.py).
 `first_step`: time to the first step of a fresh start against restarts with
 and without the compilation cache (loopjax/bench/first_step.py).
+`storage`: the train step without checkpoints, saving to a disk and saving
+to a bucket (a GCS emulator), and the bytes its logs upload
+(loopjax/bench/storage.py).
 `accelerator`: the parts of
 the accelerator check (loopjax/bench/accelerator.py), each in its own process,
 --out a directory.
@@ -49,6 +54,7 @@ from loopjax.bench import (
   measure,
   pretrained,
   steps,
+  storage,
 )
 from loopjax.data import kg, tfds_kg
 from loopjax.errors import ConfigError, exit_with
@@ -221,6 +227,7 @@ BENCHMARKS = {
   "first_step": lambda c: first_step.bench(
     c, [a for a in sys.argv[1:] if a.startswith("--config")]
   ),
+  "storage": storage.bench,
 }
 
 

@@ -36,6 +36,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from loopjax import metrics
+
 _TAIL = 3000  # characters of a part's output kept in the JSON
 
 
@@ -66,7 +68,7 @@ def _bench(name: str, config: str, *overrides: str) -> Callable:
 
 def _train(config: str, workdir: pathlib.Path, *overrides: str) -> Callable:
   def argv(out: pathlib.Path) -> list[str]:
-    del out  # the summary reads the workdir's metrics.jsonl
+    del out  # the summary reads the workdir's records
     return [
       sys.executable,
       "-m",
@@ -81,14 +83,14 @@ def _train(config: str, workdir: pathlib.Path, *overrides: str) -> Callable:
 
 def training_summary(workdir: pathlib.Path, num_steps: int) -> dict:
   """Steps/s from the trainer's own records, and the projection to num_steps."""
-  path = workdir / "metrics.jsonl"
-  if not path.exists():
-    return {"error": f"{path}: no metrics (training never started)"}
-  records = [json.loads(line) for line in path.read_text().splitlines()]
+  log = metrics.Log(workdir)
+  if not log.exists():
+    return {"error": f"{workdir}: no metrics (training never started)"}
+  records = log.read()
   start = next(r for r in records if r.get("event") == "start")
   timed = [r for r in records if "time" in r and "event" not in r]
   if not timed:
-    return {"error": f"{path}: no step was logged"}
+    return {"error": f"{workdir}: no step was logged"}
   end = next((r for r in records if r.get("event") == "end"), None)
   last = end or timed[-1]  # the end record: the step a preemption saved
   logged = [r for r in timed if "train/steps_per_s" in r]

@@ -41,7 +41,7 @@ def bench(config, config_args: list[str]) -> dict:
       ]  # fmt: skip
       launched = time.time()
       subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-      records = metrics.read_jsonl(workdir / "metrics.jsonl")
+      records = metrics.read(workdir)
       first = next(r for r in records if r["step"] == steps and "train/loss" in r)
       compile_s = [r for r in records if "compile/train_step_s" in r][-1]
       out.append(

@@ -8,14 +8,14 @@ best bridge MRR at the relation position, and wall time.
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
+from loopjax import metrics
 from loopjax.analysis import mechanistic_figures
 from loopjax.analysis.mechanistic_figures import main_result
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
-from loopjax.metrics import read_jsonl, wall_times
 from loopjax.workdir import run_config
 
 COLUMNS = (
@@ -32,17 +32,17 @@ COLUMNS = (
 )
 
 
-def _load(run: Path, name: str) -> dict | None:
+def _load(run: epath.Path, name: str) -> dict | None:
   path = run / "analysis" / f"{name}.json"
   return json.loads(path.read_text()) if path.exists() else None
 
 
-def row(run: Path) -> dict:
+def row(run: epath.Path) -> dict:
   """The numbers of one run (None where an analysis is missing)."""
   model = run_config(run).model
   R, L = model.num_loops, model.num_layers
   out = {"run": run.name, "L": L, "R": R}
-  walls = wall_times(read_jsonl(run / "metrics.jsonl"))
+  walls = metrics.wall_times(metrics.read(run))
   out["wall_s"] = max(walls.values(), default=None)
   over = _load(run, "overthinking")
   if over:
@@ -117,7 +117,7 @@ def _num(x) -> str:
   return "-" if x is None else f"{x:.3f}"
 
 
-def figure(rows: list[dict], path: Path) -> Path:
+def figure(rows: list[dict], path: epath.Path) -> epath.Path:
   """Accuracy against layer applications (L x iterations), each core's last
   layer's relative change per iteration, and the ColSum profiles."""
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -149,7 +149,7 @@ def figure(rows: list[dict], path: Path) -> Path:
   return save(fig, path)
 
 
-def write(root: Path, runs: list[Path]) -> list[Path]:
+def write(root: epath.Path, runs: list[epath.Path]) -> list[epath.Path]:
   """`root/ablations.md` and `root/plots/ablations.png` for the analyzed runs."""
   rows = [row(r) for r in runs if (r / "analysis").is_dir()]
   if not rows:

@@ -11,12 +11,12 @@ runs on each grokking phase's checkpoint (`analyze.lens_phases`).
 """
 
 import functools
-from pathlib import Path
 
 import jax
+from etils import epath
 
+from loopjax import checkpoint, data, restore, sharding
 from loopjax import config as config_lib
-from loopjax import data, restore, sharding
 from loopjax.analysis import registry
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
@@ -39,7 +39,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   `phases`: those whose record asks (the logit lens) also on every phase's
   checkpoint. Every process computes (the model may span them all); process
   0 writes, and returns the paths."""
-  workdir, out_dir = Path(workdir), Path(out_dir)
+  workdir, out_dir = epath.Path(workdir), epath.Path(out_dir)
   probes = data.probes(task, config.data.train_hops, config.data.probe_size)
   pad, names = task.vocab.pad_id, config_lib.analyses(config)
   records = {n: registry.record(spec.ANALYSES, n) for n in names}
@@ -117,7 +117,9 @@ def trace_all(config, step, model: Model, probes, pad) -> dict:
   return out
 
 
-def lens_phases(config, workdir: Path, task, probes, names, mesh=None) -> list[dict]:
+def lens_phases(
+  config, workdir: epath.Path, task, probes, names, mesh=None
+) -> list[dict]:
   """The shared analyses `names` (the logit lens) on each grokking phase's
   checkpoint (phases.json), in step order: [{"phase", "step", name: {split:
   summary}}]; phases whose checkpoint is gone are left out. `mesh`: where
@@ -127,7 +129,8 @@ def lens_phases(config, workdir: Path, task, probes, names, mesh=None) -> list[d
   reader = restore.Reader(config, workdir, task, mesh)
   try:
     for phase, step in sorted(Workdir(workdir).reached().items(), key=lambda x: x[1]):
-      if not (workdir / "checkpoints" / str(step)).is_dir():  # e.g. set aside
+      gone = not (workdir / "checkpoints" / str(step)).is_dir()
+      if gone or step in checkpoint.damaged(workdir / "checkpoints"):
         continue
       try:
         model, _ = reader.model(step)

@@ -9,23 +9,22 @@ evaluation job that follows training (`--mode=eval --follow`), or the
 training loop's if they hold depths.
 """
 
-from pathlib import Path
+from etils import epath
 
+from loopjax import metrics
 from loopjax.analysis.plots import markdown, plt, save
 from loopjax.kg import curriculum
-from loopjax.metrics import read_jsonl
 from loopjax.workdir import run_config
 
 BEYOND = 4  # held-out chains to K + 4 hops, the range of LTG's claim
 
 
-def depth_records(workdir: Path) -> list[dict]:
+def depth_records(workdir: epath.Path) -> list[dict]:
   """The run's evaluations that hold several depths: the training loop's, or
   else the evaluation job's; [] if none."""
-  for path in (workdir / "metrics.jsonl", workdir / "eval" / "metrics.jsonl"):
-    if path.exists():
-      if found := [r for r in read_jsonl(path) if any("/acc@" in k for k in r)]:
-        return found
+  for where in (workdir, workdir / "eval"):
+    if found := [r for r in metrics.read(where) if any("/acc@" in k for k in r)]:
+      return found
   return []
 
 
@@ -49,7 +48,7 @@ def curves(records: list[dict], config) -> dict:
   return out
 
 
-def write(workdir: Path, phases: dict) -> list[Path]:
+def write(workdir: epath.Path, phases: dict) -> list[epath.Path]:
   """`plots/depths.png` and `plots/depths.md` for a chains run evaluated at
   several depths; nothing else."""
   records = depth_records(workdir)
@@ -68,7 +67,7 @@ def write(workdir: Path, phases: dict) -> list[Path]:
   return [png, md]
 
 
-def _figure(path: Path, K: int, found: dict, phases: dict) -> Path:
+def _figure(path: epath.Path, K: int, found: dict, phases: dict) -> epath.Path:
   """One panel per k, a line per depth, the curriculum's stages marked."""
   fig, axes = plt.subplots(
     1, len(found), figsize=(4.2 * len(found), 3.8), sharey=True, squeeze=False

@@ -24,7 +24,7 @@ def newly_reached(metrics: dict, thresholds, reached: dict) -> list[str]:
 
 
 def detect(records: list[dict], thresholds) -> dict:
-  """{phase: first step reached, or None} over a metrics.jsonl history."""
+  """{phase: first step reached, or None} over a run's records."""
   reached = {}
   for r in sorted(records, key=lambda r: r["step"]):
     reached |= {p: r["step"] for p in newly_reached(r, thresholds, reached)}

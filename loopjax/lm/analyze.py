@@ -12,10 +12,10 @@ would take.
 """
 
 import functools
-from pathlib import Path
 
 import jax
 import numpy as np
+from etils import epath
 
 from loopjax import config as config_lib
 from loopjax import sharding
@@ -71,14 +71,14 @@ def memory(compiled, batch, depth: int, model_cfg) -> dict:
 
 def run(
   config, task, model: Model, step: int, out_dir, probe=None, split=SPLIT, rows=None
-) -> list[Path]:
+) -> list[epath.Path]:
   """The LM analyses of `model` (the checkpoint at `step`) under `out_dir`;
   `probe`: (batches, n) to analyze instead of validation windows, reported
   as `split` (a pretrained model's prompts, run as they come); `rows`: called
   with the streamed pass's per-row outputs, returns the paths it wrote. Every
   process computes (the model may span them all); process 0 writes, and
   returns the paths."""
-  a, out_dir, names = config.analyze, Path(out_dir), config_lib.analyses(config)
+  a, out_dir, names = config.analyze, epath.Path(out_dir), config_lib.analyses(config)
   writes = sharding.writes()
   if writes:
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -17,9 +17,9 @@ the deepest iteration (mean over layers and heads).
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
 from loopjax import sharding
 from loopjax.data import lm
@@ -100,7 +100,7 @@ def score(
       | {"gold": want, "generated": text}
       | stats[i]
     )
-  out_dir = Path(out_dir)
+  out_dir = epath.Path(out_dir)
   (out_dir / "answers.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
   right = [x for x in lines if x["correct"]]
   wrong = [x for x in lines if not x["correct"]]

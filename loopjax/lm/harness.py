@@ -41,7 +41,7 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from loopjax import sharding
+from loopjax import sharding, storage
 from loopjax.errors import ConfigError, exit_with, first_line
 from loopjax.field_rules import ENUMS, MAX_ITERATIONS
 from loopjax.halting import Rule
@@ -128,6 +128,7 @@ class LoopjaxLM(TemplateLM):
     batch_size = _batch_size(batch_size)
     _checked(locals())
     rule = Rule.exit(exit, threshold, r_min=r_min, start=start) if exit else None
+    record = record and storage.path(record, "model_args: record")
     loaded = scoring.load(
       hf_dir=pretrained or hf_dir, workdir=workdir, step=step, num_loops=num_loops,
       dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
@@ -154,7 +155,7 @@ class LoopjaxLM(TemplateLM):
     self.template, self.specials = loaded.chat_template, loaded.specials
     if self.template is not None:
       self.apply_chat_template([{"role": "user", "content": "2 + 2?"}])  # renders?
-    self.record = record and Path(record).expanduser()
+    self.record = record
 
   # --- what TemplateLM asks of a model ----------------------------------------
 
@@ -291,14 +292,19 @@ class LoopjaxLM(TemplateLM):
 
   def _write(self, requests, kind: str, iterations: list) -> None:
     """Each request's recurrences (a mean over scored tokens, or one per new
-    token), appended to `record`."""
+    token), added to the end of `record`: the file is rewritten whole, as an
+    append on a bucket would replace the object."""
     if self.record is None or not sharding.writes():  # one writer
       return
+    lines = [
+      {"task": r.task_name, "doc_id": r.doc_id, "idx": r.idx}
+      | {"request": kind, "iterations": iters}
+      for r, iters in zip(requests, iterations, strict=True)
+    ]
     self.record.parent.mkdir(parents=True, exist_ok=True)
-    with self.record.open("a") as f:
-      for r, iters in zip(requests, iterations, strict=True):
-        line = {"task": r.task_name, "doc_id": r.doc_id, "idx": r.idx}
-        f.write(json.dumps(line | {"request": kind, "iterations": iters}) + "\n")
+    old = self.record.read_text() if self.record.exists() else ""
+    new = "".join(json.dumps(line) + "\n" for line in lines)
+    storage.write_whole(self.record, old + new)
 
 
 def run(
@@ -333,7 +339,7 @@ def run(
     raise ConfigError(
       f"--tasks: unknown task {unknown[0]!r} ({_why_unknown(unknown[0], include_path)})"
     )
-  out = Path(workdir).expanduser() / "lm_eval"
+  out = storage.path(workdir) / "lm_eval"
   rule = Rule.exit(exit, threshold) if exit else None
   model = LoopjaxLM.of(
     scoring.opened(config, workdir, step=step, exit=rule, batch_size=batch_size)

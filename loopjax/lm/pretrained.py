@@ -10,10 +10,11 @@ batch of prompts split over it; process 0 writes.
 """
 
 import json
-from pathlib import Path
+
+from etils import epath
 
 from loopjax import config as config_lib
-from loopjax import halting, restore, sharding
+from loopjax import halting, restore, sharding, storage
 from loopjax.analysis import registry, stage_figures
 from loopjax.errors import ConfigError
 from loopjax.lm import analyze as analyze_lm
@@ -21,7 +22,7 @@ from loopjax.lm import answers, spec
 from loopjax.lm import prompts as prompts_lib
 from loopjax.pretrained import llama
 from loopjax.pretrained.load import resolve
-from loopjax.workdir import Workdir, write_atomic
+from loopjax.workdir import Workdir
 
 
 def prepare(config, workdir):
@@ -54,7 +55,7 @@ def prepare(config, workdir):
   return opened, task, prompts
 
 
-def analyze(config, workdir) -> list[Path]:
+def analyze(config, workdir) -> list[epath.Path]:
   """The LM analyses (fixed points, stages, attention, halting) of the loaded
   model on the prompts, to `analyze.max_depth` recurrences, under
   workdir/analysis; with `analyze.baseline_dir`, a feedforward model's stages
@@ -66,9 +67,10 @@ def analyze(config, workdir) -> list[Path]:
   base_task = base and prompts_lib.lm_data(baseline, base.text.tokenizer_json, prompts)
   model = opened.model()  # every tensor checked: then the record
   writes = sharding.writes()
+  workdir = storage.path(workdir)
   if writes:
-    write_atomic(Path(workdir) / "config.json", config_lib.to_json(config))
-  out = Path(workdir) / "analysis"
+    storage.write_whole(workdir / "config.json", config_lib.to_json(config))
+  out = workdir / "analysis"
   field = config.data.answer_field
   golds = field and prompts_lib.answers(config.data.source, field)
   written = _run(config, opened.cfg, model, task, prompts, out, golds or None)
@@ -94,7 +96,9 @@ def _over_base(config):
   return out
 
 
-def _run(config, cfg, model, task, prompts, out: Path, golds=None) -> list[Path]:
+def _run(
+  config, cfg, model, task, prompts, out: epath.Path, golds=None
+) -> list[epath.Path]:
   """The analyses on the prompts; with `golds`, each prompt also answered
   and scored beside its statistics (`answers`)."""
   run_config = _over_base(config)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loopjax import halting, recurrence, restore, sharding
+from loopjax import halting, recurrence, restore, sharding, storage
 from loopjax.data import lm
 from loopjax.errors import ConfigError
 from loopjax.lm.generate import generate
@@ -253,8 +253,9 @@ def load(
   if hf_dir is not None:
     config = restore.pretrained_config(hf_dir, dtype=dtype)
     return opened(config, step=step, num_loops=num_loops, **scorer_kw)
-  config = Workdir(Path(workdir).expanduser()).saved_config()
-  if config is None or not (Path(workdir).expanduser() / "tokenizer.json").is_file():
+  path = storage.path(workdir, "model_args: workdir")
+  config = Workdir(path).saved_config()
+  if config is None or not (path / "tokenizer.json").is_file():
     raise ConfigError(
       f"model_args: workdir={workdir} is not a language-model run "
       "(it needs config.json and tokenizer.json)"

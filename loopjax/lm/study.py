@@ -13,13 +13,13 @@ the trained recurrence and past it, and wall time.
 """
 
 import json
-from pathlib import Path
 
 import numpy as np
+from etils import epath
 
+from loopjax import metrics
 from loopjax.analysis import mechanistic_figures
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
-from loopjax.metrics import read_jsonl, wall_times
 from loopjax.workdir import run_config
 
 COLUMNS = (
@@ -42,21 +42,19 @@ COLUMNS = (
 )
 
 
-def is_lm(run: Path) -> bool:
+def is_lm(run: epath.Path) -> bool:
   """Whether the run is a language model's (a run without config.json is not)."""
   return (run / "config.json").exists() and run_config(run).data.task == "lm"
 
 
-def _analysis(run: Path, name: str) -> dict | None:
+def _analysis(run: epath.Path, name: str) -> dict | None:
   path = run / "analysis" / f"{name}.json"
   return json.loads(path.read_text())[name]["validation"] if path.exists() else None
 
 
-def losses(run: Path) -> dict[int, float]:
+def losses(run: epath.Path) -> dict[int, float]:
   """{iterations: validation loss} of the run's last in-loop evaluation."""
-  records = [
-    r for r in read_jsonl(run / "metrics.jsonl") if "eval/validation/loss" in r
-  ]
+  records = [r for r in metrics.read(run) if "eval/validation/loss" in r]
   if not records:
     return {}
   last, R = records[-1], run_config(run).model.num_loops
@@ -65,15 +63,13 @@ def losses(run: Path) -> dict[int, float]:
   return dict(sorted(out.items()))
 
 
-def row(run: Path) -> dict:
+def row(run: epath.Path) -> dict:
   cfg = run_config(run).model
   R, L = cfg.num_loops, cfg.num_layers
   out = {"run": run.name, "L": L, "R": R, "injection": cfg.injection}
   out["norm"] = cfg.norm_position
   out["loss"] = losses(run)
-  out["wall_s"] = max(
-    wall_times(read_jsonl(run / "metrics.jsonl")).values(), default=None
-  )
+  out["wall_s"] = max(metrics.wall_times(metrics.read(run)).values(), default=None)
   fp = _analysis(run, "fixed_points")
   if fp:
     out["kind"] = fp["kind"]
@@ -136,7 +132,7 @@ def table(rows: list[dict]) -> str:
   return markdown(list(COLUMNS), lines)
 
 
-def figure(rows: list[dict], path: Path) -> Path:
+def figure(rows: list[dict], path: epath.Path) -> epath.Path:
   """Loss against iterations relative to the trained R; the last layer's
   read-state change per iteration; the massive-activation ratio and sink mass
   along the core's layer applications."""
@@ -179,7 +175,7 @@ def figure(rows: list[dict], path: Path) -> Path:
   return save(fig, path)
 
 
-def along_training(runs: list[Path], path: Path) -> Path | None:
+def along_training(runs: list[epath.Path], path: epath.Path) -> epath.Path | None:
   """Per run, one panel: the sink mass per iteration (max over the layers) at
   every checkpoint analyzed (`analysis/step_N`, and the newest), so a sink
   that forms, moves between iterations or fades shows; None if no run has
@@ -219,7 +215,7 @@ def along_training(runs: list[Path], path: Path) -> Path | None:
   return save(fig, path)
 
 
-def write(root: Path, runs: list[Path]) -> list[Path]:
+def write(root: epath.Path, runs: list[epath.Path]) -> list[epath.Path]:
   """`root/lm_study.md` and `root/plots/lm_study.png` for the LM runs, and
   `plots/lm_study_sinks.png` where earlier checkpoints were analyzed."""
   lm_runs = [r for r in runs if is_lm(r)]
