@@ -83,7 +83,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state, data_iter) -> None:
   sums, finite = digest(state)
   if not finite:
     raise FloatingPointError(f"step {step}: the train state holds NaN or inf")
-  if (why := damaged(mngr.directory).get(step)) is not None:
+  if (why := damaged(mngr.directory, cache=True).get(step)) is not None:
     _replace_damaged(mngr, step, why)
   with _writing():  # also reports the previous async save's failure, if any
     mngr.save(
@@ -171,6 +171,10 @@ def restore(
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try older
       if step is not None:
         raise
+      if _unreachable(e):  # the storage's trouble, not the step's: no verdict
+        raise WriteError(f"cannot read checkpoint {s}: {_damage(e)}") from e
+      if not (directory / str(s)).exists():
+        continue  # deleted while it was read (a trainer's keep policy)
       failed.append((s, _damage(e)))
       continue
     for bad, why in failed:
@@ -187,6 +191,19 @@ def restore(
   return None, None
 
 
+def _unreachable(e: BaseException) -> bool:
+  """A read that failed because the storage did not answer (a bucket's 5xx,
+  429, a timeout), which says nothing about the checkpoint."""
+  transient = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "503")
+  while e is not None:
+    if type(e).__name__ in ("ServiceUnavailable", "TooManyRequests", "Timeout"):
+      return True
+    if any(t in str(e).split("See full TensorStore")[0] for t in transient):
+      return True
+    e = e.__cause__ or e.__context__
+  return False
+
+
 def _damage(e: Exception) -> str:
   """What is wrong with a checkpoint, in a line: TensorStore appends a dump of
   its spec ("See full TensorStore details: <bound method ...") to the cause."""
@@ -194,13 +211,14 @@ def _damage(e: Exception) -> str:
 
 
 def steps(mngr: ocp.CheckpointManager, tries: int = 5) -> list[int]:
-  """The complete checkpoints on disk now, oldest first. A trainer's keep
-  policy may delete one while the list is read (orbax then raises
-  FileNotFoundError): it is read again."""
+  """The complete checkpoints on disk now, oldest first, less those set
+  aside. A trainer's keep policy may delete one while the list is read
+  (orbax then raises FileNotFoundError): it is read again."""
   for attempt in range(tries):
     try:
       mngr.reload()
-      return sorted(mngr.all_steps())
+      bad = damaged(mngr.directory)
+      return sorted(s for s in mngr.all_steps() if s not in bad)
     except FileNotFoundError:
       if attempt == tries - 1:
         raise
@@ -217,30 +235,45 @@ def verify(state, saved: dict[str, int], step: int) -> None:
     )
 
 
-def damaged(directory) -> dict[int, str]:
-  """{step: why} of the steps set aside in the run of `directory`."""
-  return {int(k): v for k, v in _record(directory)["damaged"].items()}
+def damaged(directory, cache: bool = False) -> dict[int, str]:
+  """{step: why} of the steps set aside in the run of `directory`; `cache`:
+  the trainer's, which alone writes the record, read once."""
+  return {int(k): v for k, v in _record(directory, cache)["damaged"].items()}
 
 
-def _record(directory) -> dict:
-  """`DAMAGED`: {"damaged": {step: why}, "replaced": {step: why}}."""
-  path = epath.Path(directory).parent / DAMAGED
-  if not path.exists():
-    return {"damaged": {}, "replaced": {}}
-  try:
-    record = json.loads(path.read_text())
-    return {k: dict(record[k]) for k in ("damaged", "replaced")}
-  except (ValueError, TypeError, KeyError):
-    raise ConfigError(f"{path}: not a record of damaged steps; restore it") from None
+_RECORDS: dict[str, dict] = {}  # the record as this process last wrote it
+
+
+def _record_path(directory) -> epath.Path:
+  return epath.Path(directory).parent / DAMAGED
+
+
+def _record(directory, cache: bool = True) -> dict:
+  """`DAMAGED`: {"damaged": {step: why}, "replaced": {step: why}}. The
+  trainer, its only writer, keeps it in memory: the keep policy reads it at
+  every save."""
+  if (known := _RECORDS.get(str(directory))) is not None:
+    return known
+  path = _record_path(directory)
+  record = {"damaged": {}, "replaced": {}}
+  if path.exists():
+    try:
+      found = json.loads(path.read_text())
+      record = {k: dict(found[k]) for k in ("damaged", "replaced")}
+    except (ValueError, TypeError, KeyError):
+      raise ConfigError(f"{path}: not a record of damaged steps; restore it") from None
+  if cache:
+    _RECORDS[str(directory)] = record
+  return record
 
 
 def _write_record(mngr, change) -> None:
   """Process 0 rewrites the record whole with `change(record)` applied."""
+  record = _record(mngr.directory)
+  change(record)
+  _RECORDS[str(mngr.directory)] = record
   if sharding.writes():
-    record = _record(mngr.directory)
-    change(record)
-    path = epath.Path(mngr.directory).parent / DAMAGED
-    storage.write_whole(path, json.dumps(record, indent=2))
+    storage.write_whole(_record_path(mngr.directory), json.dumps(record, indent=2))
   if jax.process_count() > 1:  # every process reads the same record after
     multihost_utils.sync_global_devices("checkpoints_damaged")
 
@@ -255,8 +288,7 @@ def _set_aside(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
 def _replace_damaged(mngr: ocp.CheckpointManager, step: int, why: str) -> None:
   """The run has trained to a damaged step again: the bad bytes go, the
   record keeps why."""
-  mngr.reload()
-  if step in mngr.all_steps():
+  if step in mngr.all_steps():  # orbax's own list: set-aside steps stay in it
     mngr.delete(step)
 
   def replaced(record):
@@ -274,7 +306,7 @@ class LatestGood:
 
   def should_preserve(self, checkpoints, *, context):
     del context
-    bad = damaged(self.directory)
+    bad = damaged(self.directory, cache=True)
     good = sorted((c.step for c in checkpoints if c.step not in bad), reverse=True)
     newest = set(good[: self.n])
     return [c.step in newest or c.step in bad for c in checkpoints]

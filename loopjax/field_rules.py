@@ -117,7 +117,8 @@ BOUNDS = {
   "train.grokfast.lamb": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "data.phi": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
   "train.lr": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
-  "checkpoint.lease_s": (lambda v: 1 <= v < math.inf, "must be >= 1 (seconds)"),
+  # renewed every lease_s / 4: GCS takes about one write a second per object
+  "checkpoint.lease_s": (lambda v: 10 <= v < math.inf, "must be >= 10 (seconds)"),
   "train.weight_decay": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
   "train.grad_clip": (lambda v: v >= 0, "must be >= 0 (0 disables)"),
   "train.backprop_depth": (lambda v: v >= 0, "must be >= 0 (0: all iterations)"),

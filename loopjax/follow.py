@@ -93,13 +93,19 @@ class _Job:
     self.done = {r["step"] for r in self.records}
     self.failures: dict[int, int] = {}
     self.damaged: set[int] = set()
-    self.writer = metrics.Writer(
-      wd.path / "eval", wd.path / "tb", tb_section="eval_job", flush_s=0
+    self.writer = metrics.Writer(  # its own TensorBoard folder: its files
+      wd.path / "eval",  # would interleave with the trainer's by name
+      wd.path / "tb" / "eval_job",
+      tb_section="eval_job",
+      flush_s=0,
+      lost=wd.lost,
     )
 
   def evaluate(self, step: int) -> None:
     """Evaluates one checkpoint, or says why it could not (deleted by the
-    trainer's keep policy before its turn; damaged: after RETRIES looks)."""
+    trainer's keep policy before its turn; damaged: after RETRIES looks).
+    Its records are this job's alone: the lease is checked first."""
+    self.wd.fence()
     try:
       model, _ = self.reader.model(step)
       flat, per_depth = self.evaluator.run_all(model.params)

@@ -12,6 +12,7 @@ from absl import flags
 
 from loopjax import cli
 from loopjax.errors import ConfigError, exit_with
+from loopjax.lease import LeaseLost
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -98,7 +99,7 @@ def main(argv):
       _run(config, workdir)
   except ConfigError as e:
     exit_with(str(e))
-  except (train.RunStopped, follow.TrainerStopped) as e:
+  except (train.RunStopped, follow.TrainerStopped, LeaseLost) as e:
     exit_with(str(e), code=1)
 
 

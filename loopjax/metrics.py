@@ -10,6 +10,7 @@ record. Readers concatenate the chunks in name (time) order (`Log`).
 
 import contextlib
 import json
+import os
 import socket
 import struct
 import sys
@@ -36,13 +37,20 @@ class Writer:
   `flush()` (the trainer's, before each checkpoint: what a resume skips was
   logged) and at `end`/`close`. `tb_section`: TensorBoard tags
   `<section>/...` in place of `eval/...` (an evaluation job's own tags).
+  `lost()`: whether the job lost its lease (lease.py): then nothing more is
+  written.
   """
 
   def __init__(
-    self, where, tb_dir, tb_section: str | None = None, flush_s: float = 30.0
+    self,
+    where,
+    tb_dir,
+    tb_section: str | None = None,
+    flush_s: float = 30.0,
+    lost=lambda: False,
   ):
     self.enabled = sharding.writes()
-    self.tb_section, self.flush_s = tb_section, flush_s
+    self.tb_section, self.flush_s, self._lost = tb_section, flush_s, lost
     if self.enabled:
       self._folder = epath.Path(where) / "metrics"
       self._folder.mkdir(parents=True, exist_ok=True)
@@ -53,10 +61,11 @@ class Writer:
       suffix = "" if tb_section is None else f".{tb_section}"
       self._tb = _Events(epath.Path(tb_dir), suffix, self._name)
 
-  def _name(self) -> int:
-    """A chunk's name: milliseconds, strictly increasing within the writer."""
+  def _name(self) -> str:
+    """A chunk's name: milliseconds, strictly increasing within the writer,
+    then the host and process (another writer, in the same millisecond)."""
     self._last_name = max(self._last_name + 1, int(time.time() * 1000))
-    return self._last_name
+    return f"{self._last_name:013d}.{socket.gethostname()}.{os.getpid()}"
 
   def start(self, step: int) -> None:
     """Written at once: a reader sees the run began (and compiles)."""
@@ -95,10 +104,12 @@ class Writer:
     """Writes what is buffered as one chunk each (events, then records)."""
     if not self.enabled:
       return
+    if self._lost():
+      return self.drop()
     self._flushed = time.time()
     self._tb.flush()
     if self._lines:
-      name = f"{self._name():013d}.jsonl"
+      name = f"{self._name()}.jsonl"
       storage.write_whole(self._folder / name, "".join(self._lines))
       self._lines = []
 
@@ -136,7 +147,7 @@ class _Events:
     if not self.events:
       return
     head = self._event(wall_time=time.time(), file_version="brain.Event:2")
-    name = f"events.out.tfevents.{self._next_name():013d}.{socket.gethostname()}"
+    name = f"events.out.tfevents.{self._next_name()}"
     data = b"".join([_record(head.SerializeToString()), *self.events])
     storage.write_whole(self._dir / f"{name}{self._suffix}", data)
     self.events = []
@@ -163,24 +174,21 @@ class Log:
   def __init__(self, where):
     self.where = epath.Path(where)
     self._chunks: dict[str, list[dict]] = {}
+    self._legacy: list[dict] | None = None  # never written since chunks
 
   def exists(self) -> bool:
     return (self.where / LEGACY).exists() or (self.where / "metrics").is_dir()
 
   def read(self) -> list[dict]:
-    out = (
-      _read_lines((self.where / LEGACY).read_text())
-      if (self.where / LEGACY).exists()
-      else []
-    )
+    if self._legacy is None:
+      legacy = self.where / LEGACY
+      self._legacy = _read_lines(legacy.read_text()) if legacy.exists() else []
     folder = self.where / "metrics"
     names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
     for name in names:
       if name.endswith(".jsonl") and name not in self._chunks:
         self._chunks[name] = _read_lines((folder / name).read_text())
-    for name in sorted(self._chunks):
-      out += self._chunks[name]
-    return out
+    return self._legacy + [r for n in sorted(self._chunks) for r in self._chunks[n]]
 
 
 _LOGS: dict[str, Log] | None = None  # within `cached()`: one Log per folder

@@ -11,16 +11,20 @@ committed by orbax (a rename on a disk, a `commit_success.txt` marker on a
 bucket).
 """
 
+import contextlib
 import functools
 import logging
 import os
+import re
+import tempfile
 import uuid
 
 from etils import epath
 
-from loopjax.errors import ConfigError
+from loopjax.errors import ConfigError, first_line
 
 BUCKET = "gs"  # the one URL scheme orbax writes arrays to (tensorstore's gcs driver)
+EPATH_URLS = r"/(gs|s3|az|hf)/"  # local paths etils.epath would read as URLs
 EXTRA = "pip install 'loopjax[gcs]'"
 
 
@@ -32,6 +36,10 @@ def path(value, field: str = "--workdir") -> epath.Path:
   text = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
   scheme, sep, rest = text.partition("://")
   if not sep:
+    if re.match(r"[A-Za-z][\w+.-]*:/", text) or re.match(EPATH_URLS, text):
+      raise ConfigError(  # "gs:/b" (a URL through pathlib), or etils' "/gs/b"
+        f"{field}={text}: reads as a mangled URL; use gs://BUCKET/PATH or a local path"
+      )
     return epath.Path(os.path.expanduser(text))
   if scheme != BUCKET:
     raise ConfigError(
@@ -50,16 +58,28 @@ def is_bucket(p) -> bool:
 
 def write_whole(p: epath.Path, data: str | bytes) -> None:
   """A record written whole: readers (an evaluation job, another host) see the
-  old one or the new one, never a part. On a bucket one upload is atomic; on
-  a disk a temporary file is renamed over it (one writer per file: one
-  temporary name)."""
-  write = "write_bytes" if isinstance(data, bytes) else "write_text"
+  old one or the new one, never a part. On a bucket one upload is atomic (its
+  client's errors raised as OSError, as a disk's are); on a disk a temporary
+  file of its own is renamed over it (TensorBoard skips the name: no
+  "tfevents" in it)."""
+  data = data.encode() if isinstance(data, str) else data
   if is_bucket(p):
-    getattr(p, write)(data)
+    try:
+      p.write_bytes(data)
+    except OSError:
+      raise
+    except Exception as e:  # noqa: BLE001 - gcsfs's HttpError, auth errors
+      raise OSError(f"writing {p}: {first_line(e)}") from e
     return
-  tmp = p.with_name(f".{p.name}.tmp")
-  getattr(tmp, write)(data)
-  os.replace(tmp, p)
+  fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".tmp-")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, p)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
 
 
 def check_bucket(where: epath.Path, field: str = "--workdir", write: bool = True):
@@ -69,9 +89,9 @@ def check_bucket(where: epath.Path, field: str = "--workdir", write: bool = True
   if not is_bucket(where):
     return
   name, prefix = key(where)
-  bucket = client().bucket(name)
   doing = "read"
   try:
+    bucket = client().bucket(name)
     next(
       iter(bucket.list_blobs(prefix=prefix, max_results=1, timeout=10, retry=None)),
       None,
@@ -107,7 +127,10 @@ def client():
 def _why(e: Exception) -> str:
   """A storage client's error as a few words: 404, 403, no answer."""
   from google.api_core import exceptions as gexc
+  from google.auth import exceptions as auth
 
+  if isinstance(e, auth.DefaultCredentialsError):
+    return "no credentials: gcloud auth application-default login, or a VM's"
   if isinstance(e, gexc.NotFound):
     return "no such bucket"
   if isinstance(e, gexc.Forbidden):
@@ -122,6 +145,9 @@ def _why(e: Exception) -> str:
 def _client_libraries(field: str, text: str) -> None:
   # gcsfs reads this at import: its zonal-bucket probe fails (and logs) per call
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+  # etils reads gs:// through tf.io.gfile wherever TensorFlow is installed (a
+  # TPU VM's image): gcsfs, configured below and tested, everywhere
+  os.environ.setdefault("EPATH_USE_TF", "false")
   try:
     import gcsfs  # noqa: F401 - epath's backend for gs://
     from google.cloud import storage  # noqa: F401 - the probes and the lease

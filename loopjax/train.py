@@ -160,7 +160,7 @@ def train_and_evaluate(config, workdir) -> dict:
     config, task, mesh, abstract=True
   )
   wd.check_data(dataset)
-  fork = None if wd.has_checkpoints() else Fork.of(config, dataset)
+  fork = None if wd.has_committed() else Fork.of(config, dataset)
   wd.check_writable()
   with wd.exclusive("train", config.checkpoint.lease_s):
     reached = fork.phases() if fork else {}  # a fork's: the source's, up to it
@@ -209,7 +209,7 @@ def train_and_evaluate(config, workdir) -> dict:
         config, task, graphdef, mesh=mesh, shardings=shardings["params"]
       ),
       mngr=mngr,
-      writer=metrics.Writer(wd.path, wd.path / "tb"),
+      writer=metrics.Writer(wd.path, wd.path / "tb", lost=wd.lost),
       step=start,
     )
     return loop.run_to_end(state)
@@ -256,32 +256,23 @@ class _Loop:
       reason = "finished" if preempt.signal is None else "preempted"
     except (FloatingPointError, OSError) as e:
       failure = e
-    except LeaseLost as e:  # another trainer owns the workdir now
+    except LeaseLost as e:  # another trainer owns the workdir now: no records
       lost = e
     finally:  # an error mid-run still completes pending saves and flushes logs
-      if lost is not None:  # saves begun under the lease end; nothing new
-        self.writer.drop()
       try:
-        checkpoint.wait(mngr)
+        checkpoint.wait(mngr)  # a save begun before the lease was lost ends
       except checkpoint.WriteError as e:
         failure, reason = failure or e, "stopped"
-      failure = _clean_up(
-        failure,
-        mngr.close,
-        *(
-          ()
-          if lost
-          else (
-            lambda: self.writer.end(self.step, reason),  # an evaluation job stops
-            self.writer.close,
-          )
-        ),
-      )
+      end = lambda: self.writer.end(self.step, reason)  # an evaluation job stops
+      failure = _clean_up(failure, mngr.close, end, self.writer.close)
     if lost is not None:
-      raise RunStopped(str(lost)) from lost
+      raise RunStopped(
+        f"{lost}; stopped without saving more (a save under way when it was "
+        "taken finished)"
+      ) from lost
     if failure is not None:
       mngr.reload()  # what is on disk, not orbax's in-memory list
-      newest = mngr.latest_step()
+      newest = max(checkpoint.steps(mngr), default=None)
       where = f"writing in {wd.path}: " if isinstance(failure, OSError) else ""
       raise RunStopped(
         f"{where}{first_line(failure, 200)}; the run stopped. "

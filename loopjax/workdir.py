@@ -9,23 +9,17 @@ these records, each whole (`storage.write_whole`). The workdir may be a local
 path or `gs://BUCKET/PATH` (`storage.path`): one code path for both.
 """
 
-import contextlib
 import dataclasses
-import fcntl
 import json
-import os
 import tempfile
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.experimental import multihost_utils
 
 from loopjax import checkpoint, sharding, storage
 from loopjax import config as config_lib
 from loopjax.errors import ConfigError, first_line
-from loopjax.lease import Lease, LeaseLost
+from loopjax.lease import Exclusive
 
 # Fields that may change when a run resumes: how long and how often, not what.
 RESUMABLE = (
@@ -135,7 +129,7 @@ class Workdir:
   def __init__(self, path):
     self.path = storage.path(path)
     self._phases = self._read_phases()
-    self._lease = None
+    self._exclusive = None
 
   @property
   def checkpoint_dir(self) -> epath.Path:
@@ -179,7 +173,14 @@ class Workdir:
       )
 
   def has_checkpoints(self) -> bool:
+    """Anything under checkpoints/, committed or not (a run's, to protect)."""
     return self.checkpoint_dir.is_dir() and any(self.checkpoint_dir.iterdir())
+
+  def has_committed(self) -> bool:
+    """A step a resume can restore (a save cut short is not one)."""
+    return self.has_checkpoints() and bool(
+      ocp.path.step.checkpoint_steps(self.checkpoint_dir)
+    )
 
   def check_writable(self, *folders: str) -> None:
     """Fails now, not at the first checkpoint or result, if the workdir (or
@@ -201,58 +202,21 @@ class Workdir:
 
   def exclusive(self, role: str = "train", stale_s: float = 120.0):
     """One trainer (role "train") or one evaluation job ("follow") per
-    workdir: a second would interleave checkpoints, logs or evaluations. On
-    a disk a lock per process, which the OS drops however the process ends;
-    on a bucket process 0's lease (`lease.py`), taken over once `stale_s`
-    seconds without renewal, checked before every save (`fence`)."""
-    who = f"--workdir={self.path}: another process"
-    train = role == "train"  # else the evaluation job: it writes under eval/
-    doing = "is training there" if train else "is following it"
-    if storage.is_bucket(self.path):
-      where = self.path / ("lease.json" if train else "eval/lease.json")
-      return self._leased(Lease(where, who, doing, stale_s))
-    if train:
-      path = self.path / f".train-{jax.process_index()}.lock"
-    else:
-      path = self.path / "eval" / ".follow.lock"
-      path.parent.mkdir(exist_ok=True)
-    return _locked(path, who, doing)
-
-  @contextlib.contextmanager
-  def _leased(self, lease: Lease):
-    """Process 0 holds the lease for the whole job; every process learns
-    whether it got it, so all stop together."""
-    error = None
-    if jax.process_index() == 0:
-      try:
-        lease.acquire()
-      except ConfigError as e:
-        error = e
-    if not _all_agree(error is None):
-      raise error or ConfigError(
-        f"--workdir={self.path}: process 0 could not take the lease (its log says why)"
-      )
-    self._lease = lease if jax.process_index() == 0 else None
-    try:
-      yield
-    finally:
-      if self._lease is not None:
-        self._lease.release()
-      self._lease = None
+    workdir: a second would interleave checkpoints, logs or evaluations. A
+    lock per process on a disk, process 0's lease on a bucket (`lease.py`),
+    checked before every save (`fence`)."""
+    self._exclusive = Exclusive(self.path, role, stale_s)
+    return self._exclusive.held()
 
   def fence(self) -> None:
     """Before a save: raises LeaseLost, on every process, if this job's lease
-    was taken over (a bucket only; a disk's lock cannot be)."""
-    if not storage.is_bucket(self.path):
-      return
-    lost = None
-    if self._lease is not None:
-      try:
-        self._lease.check()
-      except LeaseLost as e:
-        lost = e
-    if not _all_agree(lost is None):
-      raise lost or LeaseLost(f"process 0 lost the lease on {self.path}")
+    was taken over."""
+    if self._exclusive is not None:
+      self._exclusive.fence()
+
+  def lost(self) -> bool:
+    """Whether this job knows it lost its lease: it writes nothing more."""
+    return self._exclusive is not None and self._exclusive.lost()
 
   def fingerprint(self) -> str | None:
     """The fingerprint of the data the run was trained on (dataset.json);
@@ -310,7 +274,7 @@ class Workdir:
   def reach(self, names, step: int) -> None:
     """Records that `names` were reached at `step`; their checkpoints are kept."""
     self._phases |= dict.fromkeys(names, step)
-    if sharding.writes():
+    if sharding.writes() and not self.lost():
       self._write_phases()
 
   def kept_steps(self) -> set[int]:
@@ -345,31 +309,6 @@ class Workdir:
       create=True,
     )
     return ocp.CheckpointManager(where, options=options)
-
-
-def _all_agree(ok: bool) -> bool:
-  """Process 0's `ok`, on every process."""
-  if jax.process_count() == 1:
-    return ok
-  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
-
-
-@contextlib.contextmanager
-def _locked(path: epath.Path, who: str, doing: str):
-  with open(path, "a+") as f:
-    try:
-      fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      f.seek(0)
-      raise ConfigError(
-        f"{who} (pid {f.read().strip() or '?'}) {doing}; wait for it to end or "
-        "use a new --workdir"
-      ) from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
-    yield
 
 
 class _Kept:

@@ -93,7 +93,9 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
     == want["eval/test_inferred_id/acc"]
   )
   points = [  # each evaluation's TensorBoard point once, across both followers
-    e.step for f in (workdir / "tb").glob("events.*.eval_job") for e in _events(f)[1:]
+    e.step
+    for f in (workdir / "tb" / "eval_job").glob("events.*.eval_job")
+    for e in _events(f)[1:]
   ]
   assert sorted(points) == steps
 
@@ -178,7 +180,9 @@ def test_tensorboard_points_are_whole_records_with_their_tags(tmp_path, section)
   assert not (tmp_path / "tb").exists() or not any((tmp_path / "tb").iterdir())
   writer.close()  # one event file, written whole
   (path,) = (tmp_path / "tb").iterdir()
-  assert path.name.endswith(f".{section}" if section else socket.gethostname())
+  assert path.name.startswith("events.out.tfevents.")  # what TensorBoard reads
+  assert f".{socket.gethostname()}." in path.name
+  assert path.name.endswith(f".{section}") == bool(section)
   header, *points = _events(path)
   assert header.file_version == "brain.Event:2"
   loss, acc = (f"{section}/loss", f"{section}/acc") if section else ("loss", "eval/acc")

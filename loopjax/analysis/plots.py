@@ -1,25 +1,31 @@
 """What every figure and table module shares: matplotlib without a display,
 saving a figure, a markdown table, a sweep's report files."""
 
+import io
+
 import matplotlib
 from etils import epath
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from loopjax import storage  # noqa: E402
+
 __all__ = ["markdown", "plt", "save", "write_sweep_report"]
 
 
 def save(fig, path: epath.Path, tight: bool = True) -> epath.Path:
   """Writes `fig` to `path` (its folder made if needed) and closes it; `tight`
-  off for figures with a colorbar shared by several axes. matplotlib writes
-  to an open file, in the format the suffix names: it cannot open a gs:// path."""
+  off for figures with a colorbar shared by several axes. Drawn in memory in
+  the format the suffix names, then written whole (matplotlib cannot open a
+  gs:// path)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   if tight:
     fig.tight_layout()
-  with path.open("wb") as f:
-    fig.savefig(f, format=path.suffix.removeprefix("."), dpi=120)
+  buf = io.BytesIO()
+  fig.savefig(buf, format=path.suffix.removeprefix("."), dpi=120)
   plt.close(fig)
+  storage.write_whole(path, buf.getvalue())
   return path
 
 
@@ -34,5 +40,5 @@ def write_sweep_report(
 ) -> list[epath.Path]:
   """`root/<name>.md` (`table`) and `root/plots/<name>.png` (`draw(path)`)."""
   md = root / f"{name}.md"
-  md.write_text(table)
+  storage.write_whole(md, table)
   return [md, draw(root / "plots" / f"{name}.png")]

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 from etils import epath
 
+from loopjax import storage
+
 
 @dataclasses.dataclass(frozen=True)
 class Analysis:
@@ -35,8 +37,8 @@ class Analysis:
     """<name>.json, <name>.md and the figures under `out_dir`; prints the
     console line."""
     paths = [out_dir / f"{name}.json", out_dir / f"{name}.md"]
-    paths[0].write_text(json.dumps(report, indent=2))
-    paths[1].write_text(self.table(report))
+    storage.write_whole(paths[0], json.dumps(report, indent=2))
+    storage.write_whole(paths[1], self.table(report))
     paths += self.plot(report, out_dir) if self.plot else []
     print(f"{name}: " + self.summary(report))
     return paths

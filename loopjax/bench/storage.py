@@ -19,6 +19,7 @@ rule, not measured through a FUSE mount.
 
 import contextlib
 import copy
+import os
 import statistics
 import struct
 import tempfile
@@ -60,12 +61,14 @@ def _bucket():
   for this process: orbax's tensorstore reads it)."""
   from loopjax.bench import emulator
 
-  server = emulator.Emulator()
+  server, before = emulator.Emulator(), dict(os.environ)
   emulator.activate(server.env)
   try:
     yield f"gs://{server.bucket()}"
   finally:
     server.stop()
+    os.environ.clear()
+    os.environ.update(before)
 
 
 def _row(name: str, every: int, config, records: list[dict]) -> dict:

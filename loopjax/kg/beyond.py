@@ -11,7 +11,7 @@ training loop's if they hold depths.
 
 from etils import epath
 
-from loopjax import metrics
+from loopjax import metrics, storage
 from loopjax.analysis.plots import markdown, plt, save
 from loopjax.kg import curriculum
 from loopjax.workdir import run_config
@@ -60,9 +60,10 @@ def write(workdir: epath.Path, phases: dict) -> list[epath.Path]:
   K = config.data.train_hops
   png = _figure(workdir / "plots" / "depths.png", K, found, phases)
   md = png.with_suffix(".md")
-  md.write_text(
+  storage.write_whole(
+    md,
     f"Held-out accuracy beyond the trained {K} hops, at the best evaluated "
-    "depth R (figure: depths.png).\n\n" + _table(config, found, phases)
+    "depth R (figure: depths.png).\n\n" + _table(config, found, phases),
   )
   return [png, md]
 

@@ -21,7 +21,7 @@ import re
 import numpy as np
 from etils import epath
 
-from loopjax import sharding
+from loopjax import sharding, storage
 from loopjax.data import lm
 from loopjax.lm.generate import generate
 
@@ -101,7 +101,9 @@ def score(
       | stats[i]
     )
   out_dir = epath.Path(out_dir)
-  (out_dir / "answers.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  storage.write_whole(
+    out_dir / "answers.jsonl", "".join(json.dumps(x) + "\n" for x in lines)
+  )
   right = [x for x in lines if x["correct"]]
   wrong = [x for x in lines if not x["correct"]]
   table = [
@@ -114,7 +116,7 @@ def score(
   for k in stats[0]:
     mean = lambda xs: f"{np.mean([x[k] for x in xs]):.4g}" if xs else "-"  # noqa: E731
     table.append(f"| {k} | {mean(right)} | {mean(wrong)} |")
-  (out_dir / "answers.md").write_text("\n".join(table) + "\n")
+  storage.write_whole(out_dir / "answers.md", "\n".join(table) + "\n")
   print(f"answers: {len(right)} of {len(lines)} right at R {num_loops}")
   return [out_dir / "answers.jsonl", out_dir / "answers.md"]
 

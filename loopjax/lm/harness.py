@@ -357,8 +357,8 @@ def run(
       )
     if writes:
       out.mkdir(parents=True, exist_ok=True)
-      (out / f"r{R}.json").write_text(
-        json.dumps(results["results"], indent=1, default=str) + "\n"
+      storage.write_whole(
+        out / f"r{R}.json", json.dumps(results["results"], indent=1, default=str) + "\n"
       )
     for task, metrics in results["results"].items():
       for name, value in metrics.items():
@@ -372,7 +372,7 @@ def run(
     for (t, m), v in table.items()
   ]
   if writes:
-    (out / "table.md").write_text("\n".join(lines) + "\n")
+    storage.write_whole(out / "table.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
   return out
 
