@@ -3,6 +3,7 @@ GCS emulator on loopback (loopjax/bench/emulator.py): training, a kill mid-save 
 its resumption, the commit marker, the lease, and every mode reading the run.
 """
 
+import contextlib
 import json
 import random
 import subprocess
@@ -57,19 +58,20 @@ def _error_line(proc) -> str:
 
 @pytest.fixture(scope="module")
 def trained(straight, gcs, tmp_path_factory):
-  """The tiny run trained on a bucket from the command line, in an empty
-  folder (so a local `gs:` folder would show)."""
+  """The tiny run trained on a bucket as the command line runs it (in this
+  process), from an empty folder (so a local `gs:` folder would show)."""
   config, _ = straight
   here = tmp_path_factory.mktemp("cwd")
   workdir = f"gs://{gcs.bucket()}/run"
-  proc = _run(cli(workdir, config.data.data_dir, config=TINY), gcs, cwd=here)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  return workdir, here, proc
+  with contextlib.chdir(here):
+    code, err = main_in_process(*cli(workdir, config.data.data_dir, config=TINY)[3:])
+  assert code == 0, err[-20:]
+  return workdir, here
 
 
 def test_a_run_trains_on_a_bucket_as_on_a_disk(straight, trained, gcs):
   _, done = straight
-  workdir, here, _ = trained
+  workdir, here = trained
   assert list(here.iterdir()) == []  # no local "gs:" folder, nothing else
   assert losses(storage.path(workdir)) == losses(done)
   assert steps_on_disk(workdir) == steps_on_disk(done) == [20, 40, 60]
@@ -91,7 +93,7 @@ def test_every_mode_reads_the_bucket_run(straight, trained, gcs, tmp_path):
   from loopjax import evaluate
 
   config, done = straight
-  workdir, here, _ = trained
+  workdir, here = trained
   run = storage.path(workdir)
   for mode in ("eval", "report"):
     code, err = main_in_process(f"--mode={mode}", f"--workdir={workdir}")
@@ -177,7 +179,7 @@ def _listed(workdir) -> bool:
 
 def test_a_step_without_its_commit_marker_is_not_restored(trained, gcs, tmp_path):
   """A step whose marker never landed (a save cut short) is not a checkpoint."""
-  workdir, _, _ = trained
+  workdir, _ = trained
   bucket, prefix = storage.key(workdir)
   copy = f"gs://{gcs.bucket()}/run"
   client, (copy_bucket, copy_prefix) = storage.client(), storage.key(copy)
@@ -376,32 +378,42 @@ def test_a_data_dir_on_a_bucket_is_one_line(tmp_path):
   assert list(tmp_path.iterdir()) == []
 
 
-def test_sample_and_lm_eval_read_a_language_model_run_on_a_bucket(
-  lm_config, gcs, bucket, tmp_path
-):
-  """A language model trained on gs://; `loopjax.sample` and
-  `loopjax.lm_eval` read it there and write their outputs there."""
-  from conftest import offline_env, write_tasks
-
+@pytest.fixture
+def lm_on_a_bucket(lm_config, bucket):
+  """A language model trained on gs:// (4 steps, one checkpoint)."""
   workdir = storage.path(f"{bucket}/lm")
   lm_config.train.num_steps = lm_config.checkpoint.every = 4
   lm_config.eval_every = 0
   train.train_and_evaluate(lm_config, workdir)
-  sample = _run(
-    [sys.executable, "-m", "loopjax.sample", f"--workdir={workdir}",
-     "--prompt=def ", "--max_new_tokens=4", "--temperature=0"],
-    gcs,
-    cwd=tmp_path,
-  )  # fmt: skip
-  assert sample.returncode == 0, sample.stderr[-3000:]
-  assert sample.stdout.startswith("def ")
+  return workdir
+
+
+def test_sample_reads_a_language_model_run_on_a_bucket(lm_on_a_bucket, tmp_path):
+  here = tmp_path / "cwd"
+  here.mkdir()
+  with contextlib.chdir(here):
+    code, err = main_in_process(
+      f"--workdir={lm_on_a_bucket}", "--prompt=def ", "--max_new_tokens=4",
+      "--temperature=0", entry="sample",
+    )  # fmt: skip
+  assert code == 0, err[-20:]
+  assert list(here.iterdir()) == []
+
+
+@pytest.mark.slow  # ~40 s: the harness's start
+def test_lm_eval_reads_and_writes_a_language_model_run_on_a_bucket(
+  lm_on_a_bucket, gcs, tmp_path
+):
+  from conftest import offline_env, write_tasks
+
   tasks = write_tasks(tmp_path / "tasks")
   scored = subprocess.run(
-    [sys.executable, "-m", "loopjax.lm_eval", f"--workdir={workdir}",
+    [sys.executable, "-m", "loopjax.lm_eval", f"--workdir={lm_on_a_bucket}",
      "--tasks=toy_mc", f"--include_path={tasks}"],
     capture_output=True, text=True, timeout=300, cwd=tmp_path,
     env=CPU_ENV | gcs.env | offline_env(tmp_path / "hf"),
   )  # fmt: skip
   assert scored.returncode == 0, scored.stderr[-3000:]
-  assert "| toy_mc | acc,none |" in (workdir / "lm_eval" / "table.md").read_text()
+  table = (lm_on_a_bucket / "lm_eval" / "table.md").read_text()
+  assert "| toy_mc | acc,none |" in table
   assert not (tmp_path / "gs:").exists()
