@@ -8,12 +8,13 @@ the whole model. Every problem is a one-line ConfigError naming the file or
 the tensor.
 """
 
+import contextlib
 import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from loopjax.errors import ConfigError
 
@@ -92,7 +93,13 @@ def rope(hf: dict, default_theta: float | None, theta_key: str = "rope_theta"):
       "config.json: partial_rotary_factor must be 1.0 (RoPE on part of each "
       "head is not supported)"
     )
-  kind = merged.get("rope_type", merged.get("type", "default"))
+  kinds = {key: merged[key] for key in ("rope_type", "type") if key in merged}
+  if len(set(kinds.values())) > 1:  # 5.x's name and 4.x's, one field
+    raise ConfigError(
+      f"config.json: rope_type ({kinds['rope_type']!r}) and type "
+      f"({kinds['type']!r}) disagree (the 5.x and 4.x names of one field)"
+    )
+  kind = next(iter(kinds.values()), "default")
   if kind not in ROPE_TYPES[:2]:
     known = kind in ROPE_TYPES
     raise ConfigError(
@@ -106,33 +113,81 @@ def rope(hf: dict, default_theta: float | None, theta_key: str = "rope_theta"):
 class HfDir:
   """`config` (config.json as a dict) and the tensors, as `dtype` arrays
   (`take`), each read when asked for; weights=False: config.json alone.
-  `path`: the directory, or `model.init_from`'s "hf:DIR"."""
+  `path`: the directory, or `model.init_from`'s "hf:DIR". The files `take`
+  maps stay open until `close` (or the end of a `with` block); each array it
+  returns is a copy, valid after."""
 
   def __init__(self, path, dtype: str = "float32", weights: bool = True):
     self.path = Path(str(path).removeprefix("hf:")).expanduser()
     self.dtype = jnp.dtype(dtype)
     if not (self.path / "config.json").is_file():
       raise ConfigError(f"model.hf_dir: {self.path} has no config.json")
-    try:
-      self.config = json.loads((self.path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{self.path / 'config.json'}: not JSON ({e})") from e
+    self.config = _json(self.path / "config.json")
+    if not isinstance(self.config, dict):
+      raise ConfigError(
+        f"{self.path / 'config.json'}: must be a JSON object; got "
+        f"{type(self.config).__name__}"
+      )
     self.files = self._weight_map() if weights else {}
     self._open: dict[str, object] = {}
+    self._stack = contextlib.ExitStack()  # the open files, closed together
     self.used: set[str] = set()
 
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def close(self) -> None:
+    """Unmaps every file `take` opened (a later `take` opens it again)."""
+    self._open.clear()
+    self._stack.close()
+
+  def stored(self) -> set[str]:
+    """The names of the tensors the directory holds, listed also where it
+    was read with weights=False (none where it has no weights: a shape)."""
+    if self.files or not any((self.path / f).is_file() for f in (INDEX, SINGLE)):
+      return set(self.files)
+    return set(self._weight_map())
+
   def _weight_map(self) -> dict[str, str]:
-    """{tensor name: file name}."""
+    """{tensor name: file name}: the index's, or the one file's names."""
     if (self.path / INDEX).is_file():
-      files = json.loads((self.path / INDEX).read_text())["weight_map"]
-      for f in sorted(set(files.values())):
-        if not (self.path / f).is_file():
-          raise ConfigError(f"{self.path / INDEX}: lists {f}, which is missing")
-      return files
+      return self._index()
     if (self.path / SINGLE).is_file():
-      with safe_open(self.path / SINGLE, framework="np") as f:
+      with self._safe_open(SINGLE) as f:
         return dict.fromkeys(f.keys(), SINGLE)
     raise ConfigError(f"model.hf_dir: {self.path} has no {SINGLE} or {INDEX}")
+
+  def _index(self) -> dict[str, str]:
+    """The index's weight_map, checked: tensor name -> a file beside it."""
+    index = self.path / INDEX
+    files = _json(index)
+    files = files.get("weight_map") if isinstance(files, dict) else None
+    if files is None:
+      raise ConfigError(f"{index}: has no weight_map (tensor name -> file)")
+    if not isinstance(files, dict) or not files:
+      raise ConfigError(
+        f"{index}: weight_map must be a non-empty object of tensor name -> "
+        f"file; got {type(files).__name__} {str(files)[:40]}"
+      )
+    for name, f in files.items():
+      if not isinstance(f, str) or Path(f).name != f:
+        raise ConfigError(
+          f"{index}: weight_map.{name} must name a file in the directory; got {f!r}"
+        )
+    for f in sorted(set(files.values())):
+      if not (self.path / f).is_file():
+        raise ConfigError(f"{index}: lists {f}, which is missing")
+    return files
+
+  def _safe_open(self, file: str):
+    """`file` memory-mapped by safetensors (not one: a one-line error)."""
+    try:
+      return safe_open(self.path / file, framework="np")
+    except SafetensorError as e:
+      raise ConfigError(f"{self.path / file}: not a safetensors file ({e})") from None
 
   def unused(self) -> list[str]:
     """The tensors no `take` (or `skip`) asked for, sorted."""
@@ -157,8 +212,11 @@ class HfDir:
       raise ConfigError(f"{self.path}: tensor {name} is missing")
     file = self.files[name]
     if file not in self._open:
-      self._open[file] = safe_open(self.path / file, framework="np")
-    x = self._open[file].get_tensor(name)
+      self._open[file] = self._stack.enter_context(self._safe_open(file))
+    try:
+      x = self._open[file].get_tensor(name)
+    except SafetensorError as e:  # an index that places it in the wrong file
+      raise ConfigError(f"{self.path / file}: tensor {name} ({e})") from None
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ConfigError(
         f"{self.path / file}: tensor {name} is stored as {x.dtype}; the model "
@@ -170,3 +228,11 @@ class HfDir:
         f"the config needs {tuple(shape)}"
       )
     return x
+
+
+def _json(file: Path):
+  """The JSON value in `file` (not JSON: a one-line error)."""
+  try:
+    return json.loads(file.read_text())
+  except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+    raise ConfigError(f"{file}: not JSON ({e})") from None

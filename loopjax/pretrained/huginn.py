@@ -22,6 +22,7 @@ import numpy as np
 from loopjax.errors import ConfigError
 from loopjax.pretrained.hf_dir import check_config, rope
 
+MODEL_TYPE = "huginn_raven"  # also the retrofitted models' (retrofit.family)
 ARCHITECTURE = "RavenForCausalLM"
 FIXED = {"bias": False, "injection_type": "linear", "tie_embeddings": True,
          "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
@@ -72,9 +73,24 @@ def model_config(hf: dict, base, split=None, num_loops: int | None = None):
   return cfg, vocab, hf.get("block_size", 4096)
 
 
+def owns(hf: dict, names: set) -> bool:
+  """Whether a huginn_raven directory holds Huginn-0125 itself, not a model
+  retrofitted into its layout: by its tensors `names`, four norms a block
+  (norm_4); by config.json `hf` alone (no tensors: a shape), its blocks' q / k
+  bias (qk_bias, its config class's default true) and no rope_theta: the
+  converters write qk_bias false and rope_theta (the base Llama reads), which
+  Huginn's class never sets."""
+  if names:
+    return any(n.endswith(".norm_4.weight") for n in names)
+  return bool(hf.get("qk_bias", True)) and "rope_theta" not in hf
+
+
 def rope_base(hf: dict) -> float:
   """RoPE's base: rope_base (its config class's default 50,000), or the same
-  value under rope_parameters, which transformers 5 may add; no rescaling."""
+  value under rope_parameters; no rescaling. transformers 5 saves Huginn's
+  config as 4.x did (its class sets no RoPE attribute for 5.x to move:
+  tests/fixtures/hf/huginn/config_v5.json), but a config rewritten by other
+  tools may carry rope_parameters, so both places are read."""
   theta, scaling = rope(hf, 50_000.0, theta_key="rope_base")
   if scaling is not None:
     raise ConfigError(

@@ -8,17 +8,17 @@ from jax.sharding import NamedSharding
 
 from loopjax import sharding
 from loopjax.errors import ConfigError
-from loopjax.pretrained import llama, ouro, retrofit
+from loopjax.pretrained import huginn, llama, ouro, retrofit
 from loopjax.pretrained.hf_dir import HfDir
 from loopjax.state import Model, build_model
 
-# config.json model_type -> family module, or a function of the directory that
-# picks one (huginn_raven: Huginn-0125's and the retrofitted models' type)
+# config.json model_type (each family's own) -> family module, or a function of
+# the directory that picks one (huginn_raven: Huginn-0125's and the
+# retrofitted models' type)
 FAMILIES = {
-  "llama": llama,
-  "olmo2": llama,
-  "ouro": ouro,
-  "huginn_raven": retrofit.family,
+  **dict.fromkeys(llama.LAYOUTS, llama),
+  ouro.MODEL_TYPE: ouro,
+  huginn.MODEL_TYPE: retrofit.family,
 }
 
 
@@ -73,7 +73,8 @@ def load(
   cfg.update(overrides or {})
   shapes = nnx.eval_shape(lambda: build_model(cfg, vocab_size, max_len, seed=0))
   graphdef, state = nnx.split(shapes)
-  pure = family.params(hf, cfg, vocab_size)
+  with hf:  # each tensor copied out, then every file unmapped
+    pure = family.params(hf, cfg, vocab_size)
   if left := hf.unused():  # a tensor left over is an error, as a missing one is
     raise ConfigError(f"{hf.path}: unexpected tensor {left[0]}")
   want = jax.tree.map(lambda a: tuple(a.shape), nnx.to_pure_dict(state))

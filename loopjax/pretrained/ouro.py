@@ -16,6 +16,7 @@ criterion exits where the cumulative probability reaches a threshold.
 from loopjax.errors import ConfigError
 from loopjax.pretrained import llama
 
+MODEL_TYPE = "ouro"
 ARCHITECTURE = "OuroForCausalLM"
 FIXED = llama.FIXED | {"use_sliding_window": False}
 # What Ouro's configuration class (its Hugging Face repositories') takes for

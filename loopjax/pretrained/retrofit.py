@@ -5,9 +5,10 @@ A pretrained Llama (TinyLlama, Llama 3.2) or OLMo 2 with its layers laid out
 as Huginn's prelude, recurrent core and coda: each iteration starts from a
 linear adapter of concat(state, prelude output) (`injection` concat, no bias),
 and the final norm follows the coda only (`coda_norm` off). The checkpoints
-keep Huginn-0125's model_type, architecture and tensor names, and config.json
-does not say which model they came from, so `family` tells the three apart by
-their blocks' tensors (Huginn's four norms; OLMo's q / k norms).
+keep Huginn-0125's model_type, architecture and tensor names, so `family`
+tells the three apart by their blocks' tensors (Huginn's four norms; OLMo's
+q / k norms), or, from config.json alone, by Huginn's q / k bias and the
+modeling module its auto_map names.
 
 The blocks are the source model's own: Llama's pre-norm (norm_1 / norm_2 ->
 norm1 / norm2, `norm_position` "pre"), OLMo 2's norms on the sublayer outputs
@@ -120,16 +121,29 @@ LLAMA = SimpleNamespace(model_config=model_config, params=params)
 OLMO2 = SimpleNamespace(
   model_config=partial(model_config, source="olmo2"), params=params
 )
+# The modeling module each converter saves, as config.json's auto_map names
+# it: what tells the two apart without their tensors.
+CODES = {"raven_modeling_minimal_llama": LLAMA, "raven_modeling_minimal_olmo": OLMO2}
 
 
 def family(hf_dir):
-  """The family of a huginn_raven directory, from its tensors: `huginn` for
-  Huginn-0125's own blocks (four norms each), else the retrofitted OLMo 2
-  (q / k norms) or Llama; from config.json alone, Huginn or Llama."""
-  names = hf_dir.files
-  if not names:  # config.json alone (a shape for `aot`): retrofitting sets RoPE's
-    rope = {"rope_theta", "rope_parameters"}  # base as rope_theta (5.x: nested)
-    return LLAMA if rope & set(hf_dir.config) else huginn
-  if any(n.endswith(".norm_4.weight") for n in names):
+  """The family of a huginn_raven directory: `huginn` where `huginn.owns` it,
+  else the retrofitted OLMo 2 or Llama, by their tensors (OLMo's q / k norms)
+  or, where there are none (a shape for `aot`), by the modeling module
+  config.json's auto_map names."""
+  names, hf = hf_dir.stored(), hf_dir.config
+  if huginn.owns(hf, names):
     return huginn
-  return OLMO2 if any(n.endswith(".attn.q_norm.weight") for n in names) else LLAMA
+  if names:
+    return OLMO2 if any(n.endswith(".attn.q_norm.weight") for n in names) else LLAMA
+  auto = hf.get("auto_map")
+  code = str(auto.get("AutoModelForCausalLM", "")) if isinstance(auto, dict) else ""
+  # "module.Class", or "repo--module.Class" as a copy from the hub saves it
+  if (module := code.rpartition(".")[0].rpartition("--")[2]) in CODES:
+    return CODES[module]
+  raise ConfigError(
+    f"{hf_dir.path / 'config.json'}: a retrofitted model's config alone does "
+    f"not say whether its blocks are Llama's or OLMo 2's (auto_map's "
+    f"AutoModelForCausalLM names neither {' nor '.join(CODES)}: {code!r}); "
+    "add its weights"
+  )
