@@ -37,10 +37,11 @@ recheck one pass of a config whose every pass takes minutes on a target.
 import os
 import sys
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-config_flags.DEFINE_config_file("config", None, "Experiment config file[:variant].")
+from loopjax import cli
+from loopjax.errors import ConfigError, Stopped
+
 flags.DEFINE_integer("devices", 8, "CPU devices to force (without --target).")
 flags.DEFINE_string(
   "target",
@@ -61,7 +62,7 @@ flags.DEFINE_list(
   "(those of them the run has); a pretrained model's analysis, forward.",
 )
 flags.DEFINE_string("json", "", "Also write the report to this file.")
-FLAGS = flags.FLAGS
+FLAGS = flags.FLAGS  # --config: cli's, loaded as every entry point loads it
 
 
 def _gib(n: int) -> str:
@@ -204,33 +205,30 @@ def _table(report: dict) -> list[str]:
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}")
   import json
 
   import jax
 
   from loopjax import compiled, passes, restore, targets
   from loopjax import config as config_lib
-  from loopjax.errors import ConfigError, exit_with
   from loopjax.pretrained import init_from
 
+  config = FLAGS.config
+  if config is None:
+    raise ConfigError("--config is required")
+  if config.model.init_from:  # its shapes; the compile reads no tensor
+    config = init_from.resolve(config, tokenizer=False)
+    config.model.update(init_from="", hf_split="")
+  config_lib.validate(config)
+  target = targets.make(FLAGS.target) if FLAGS.target else None
+  devices = target.devices if target else jax.devices()
+  check = passes.check_pretrained if restore.pretrained(config) else passes.check
+  on_pass = _printer(target.bytes_per_device if target else None)
   # A cached executable skips the compile and with it XLA's warnings and time.
   jax.config.update("jax_enable_compilation_cache", False)
-  config = FLAGS.config
-  try:
-    if config.model.init_from:  # its shapes; the compile reads no tensor
-      config = init_from.resolve(config, tokenizer=False)
-      config.model.update(init_from="", hf_split="")
-    config_lib.validate(config)
-    target = targets.make(FLAGS.target) if FLAGS.target else None
-    devices = target.devices if target else jax.devices()
-    check = passes.check_pretrained if restore.pretrained(config) else passes.check
-    on_pass = _printer(target.bytes_per_device if target else None)
-    report = check(config, devices, target, FLAGS.passes, on_pass)
-  except ConfigError as e:
-    exit_with(str(e))
-  except passes.CompileFailed as e:
-    exit_with(str(e), code=1)
+  report = check(config, devices, target, FLAGS.passes, on_pass)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=2, default=str)
@@ -239,25 +237,30 @@ def main(argv):
   else:
     print("\n".join(_table(report)))
   if (why := _overflow(report, len(devices))) is not None:
-    exit_with(why)
+    raise ConfigError(why)
   on_target, remat = target is not None, report["rematerialized"]
   if (why := compiled.refusal(remat, on_target, FLAGS.allow_remat)) is not None:
-    exit_with(why, code=1)
+    raise Stopped(why)
 
 
-if __name__ == "__main__":
-  # Devices are fixed when JAX starts: set them before anything imports it.
-  n = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--devices=")), "8")
+def _compiles_here(argv) -> None:
+  """This host's CPU as JAX's platform, whatever it has, with `--devices`
+  forced CPU devices: set before JAX starts its backend, which reads them."""
+  import jax
+
+  n = next((a.split("=", 1)[1] for a in argv if a.startswith("--devices=")), "8")
   os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={n}"
   )
-  if any(a.startswith("--target=gpu:") for a in sys.argv):
+  if any(a.startswith("--target=gpu:") for a in argv):
     # Compiled without a GPU, XLA cannot autotune, and the Triton tiling it
     # then assumes fails on some GEMMs ("Couldn't find output tile sizes",
     # the paper extrapolation config's evaluation): cuBLAS ones compile.
     os.environ["XLA_FLAGS"] += " --xla_gpu_enable_triton_gemm=false"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from loopjax import xla
+  jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])  # read on import
 
-  xla.apply_defaults()
-  app.run(main)
+
+if __name__ == "__main__":
+  _compiles_here(sys.argv)
+  cli.run(main)

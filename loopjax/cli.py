@@ -1,14 +1,18 @@
 """What loopjax's command lines share: `--config`, `--workdir`, `--step` and
 the multi-process flags (every entry point joins the processes they name:
-`processes`); a
-config file that does not load, a bad flag and a bad config field as one line
-(exit 2); a workdir's own config where none is given; and absl's start-up.
+`processes`); a workdir's own config where none is given; absl's start-up;
+and the one boundary where a command line ends: a config file that does not
+load, a bad flag, a bad config field and any user error (`ConfigError`) as
+one line and exit 2, work that cannot go on (`errors.Stopped`) as one line
+and exit 1, a bug with its traceback.
 
-An entry point (`main`, `sample`, `lm_eval`) defines its own flags beside
-these and calls `run(its_main)`.
+Every `python -m loopjax...` defines its own flags beside these and calls
+`run(its_main)` (tests/test_cli.py finds them all and checks).
 """
 
 import contextlib
+import difflib
+import functools
 import os
 import sys
 import traceback
@@ -20,7 +24,7 @@ from ml_collections import config_flags
 
 from loopjax import config as config_lib
 from loopjax import storage, xla
-from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax.errors import ConfigError, Stopped, exit_with, first_line
 from loopjax.workdir import Workdir
 
 FLAGS = flags.FLAGS
@@ -86,7 +90,7 @@ def _config_path(argv) -> str:
 
 def _unknown_field(argv) -> str | None:
   """The first `--config.a.b=` naming no field of the loaded config, as the
-  line that says so and what the section has (config_flags only says 'b')."""
+  line that says so and what is near it (config_flags only says 'b')."""
   given = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
   try:  # the flag holds no value when an override fails: load the file again
     c = FLAGS["config"].parser.parse(given[-1]) if given else None
@@ -103,24 +107,32 @@ def _unknown_field(argv) -> str | None:
       if not hasattr(node, "keys"):
         return f"--config.{'.'.join(path)}: {section} is a value, not a section"
       if key not in node:
-        return f"--{section}.{key}: no such field; {section} has: {', '.join(node)}"
+        return f"--{section}.{key}: no such field; {_near(key, list(node), section)}"
       node = node[key]
   return None
+
+
+def _near(key: str, fields: list[str], section: str) -> str:
+  """What `section` has that `key` may have meant: a short section's every
+  field, else the few nearest to it and where all are listed."""
+  if len(fields) <= 8:
+    return f"{section} has: {', '.join(fields)}"
+  where = f"base() in {config_lib.base.__module__.replace('.', '/')}.py"
+  if close := difflib.get_close_matches(key, fields, n=3, cutoff=0.6):
+    return f"did you mean {' or '.join(close)}? (all {len(fields)}: {where})"
+  return f"none of {section}'s {len(fields)} fields is near it (all: {where})"
 
 
 def workdir(argv) -> epath.Path:
   """--workdir, required; no positional arguments. A local path or
   gs://BUCKET/PATH; a bucket that does not exist or answer is one line now."""
   if len(argv) > 1:
-    exit_with(f"unexpected arguments: {' '.join(argv[1:])}")
+    raise ConfigError(f"unexpected arguments: {' '.join(argv[1:])}")
   if not FLAGS.workdir:
-    exit_with("--workdir is required")
+    raise ConfigError("--workdir is required")
   logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  try:
-    path = storage.path(FLAGS.workdir)
-    storage.check_bucket(path, write=False)
-  except ConfigError as e:
-    exit_with(str(e))
+  path = storage.path(FLAGS.workdir)
+  storage.check_bucket(path, write=False)
   return path
 
 
@@ -155,10 +167,33 @@ def _cache_compiles(where: str) -> None:
   jax.config.update("jax_compilation_cache_dir", str(path))  # gs:// too
 
 
-def run(main) -> None:
-  """absl's app.run of `main` with loopjax's XLA defaults and flag parser."""
+def run(main, own_flags: bool = False) -> None:
+  """`main(argv)` as a command line: loopjax's XLA defaults, absl's start-up
+  with loopjax's flag parser, and the errors that end it (`ended`).
+  `own_flags`: the command line is another parser's (lm-evaluation-harness's):
+  absl reads none of it and `main` gets sys.argv whole."""
   xla.apply_defaults()
-  app.run(main, flags_parser=_parse)
+  if own_flags:
+    sys.exit(ended(main)(sys.argv))
+  app.run(ended(main), flags_parser=_parse)
+
+
+def ended(main):
+  """`main` whose user error (`ConfigError`) ends the process with its one
+  line and exit 2, and whose work that cannot go on (`errors.Stopped`) with
+  its one line and exit 1; any other exception is a bug and keeps its
+  traceback. The one place a command line turns an error into a line."""
+
+  @functools.wraps(main)
+  def one_line(argv):
+    try:
+      return main(argv)
+    except ConfigError as e:
+      exit_with(first_line(e, limit=2000))
+    except Stopped as e:
+      exit_with(first_line(e, limit=2000), code=1)
+
+  return one_line
 
 
 @contextlib.contextmanager

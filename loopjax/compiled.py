@@ -6,6 +6,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 
 # XLA logs these while partitioning: a tensor replicated whole to be resharded.
 REMAT = "Involuntary full rematerialization"
@@ -19,7 +20,12 @@ COLLECTIVES = (
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r")\[([\d,]*)\]")
-_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+_OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+# An async start's result is (operands, output[, contexts]), its output the
+# second element: all-gather-start's and collective-permute-start's own
+# tuples, and XLA's async wrapper (reduce-scatter-start, all-to-all-start).
+# all-reduce-start's result is its output alone.
+_OUTPUT_SECOND = ("all-gather", "collective-permute", "reduce-scatter", "all-to-all")
 
 
 def memory(compiled) -> dict:
@@ -36,17 +42,32 @@ def memory(compiled) -> dict:
 
 def collectives(hlo_text: str) -> dict:
   """{kind: {"count", "bytes"}} of the collectives in an HLO module's text;
-  bytes: the size of each one's result, per device (async pairs once)."""
+  bytes: the size of each one's output, per device (async pairs once: a
+  start, not its done; of a start's result tuple, the output, not the
+  operand it also holds)."""
   out = {}
   for line in hlo_text.splitlines():
     if (m := _OP.search(line)) is None or "-done(" in line:
       continue
-    size = sum(
-      _BYTES[dtype] * _prod(dims) for dtype, dims in _SHAPE.findall(m.group(1))
-    )
-    entry = out.setdefault(m.group(2), {"count": 0, "bytes": 0})
+    result, kind, start = m.groups()
+    if start and kind in _OUTPUT_SECOND:
+      result = _elements(result)[1]
+    size = sum(_BYTES[dtype] * _prod(dims) for dtype, dims in _SHAPE.findall(result))
+    entry = out.setdefault(kind, {"count": 0, "bytes": 0})
     entry["count"] += 1
     entry["bytes"] += size
+  return out
+
+
+def _elements(shape: str) -> list[str]:
+  """The top-level elements of a tuple shape's text, "(a, b, ...)" (layouts
+  such as {1,0:T(8,128)} nest commas and parentheses)."""
+  out, depth, start = [], 0, 1
+  for i, ch in enumerate(shape):
+    depth += (ch in "([{") - (ch in ")]}")
+    if (ch == "," and depth == 1) or (ch == ")" and depth == 0):
+      out.append(shape[start:i].strip())
+      start = i + 1
   return out
 
 
@@ -57,27 +78,55 @@ def _prod(dims: str) -> int:
   return n
 
 
+_LOGGED = threading.RLock()
+
+
 @contextlib.contextmanager
 def logged(echo: bool = True):
-  """Captures what XLA's C++ code writes to stderr inside the block (a list
-  of lines, filled on exit) and writes it on, so nothing is hidden (`echo`
-  False: the caller handles what it says)."""
-  lines: list[str] = []
-  sys.stderr.flush()
-  saved = os.dup(2)
-  with tempfile.TemporaryFile("w+") as f:
+  """What is written to stderr's file descriptor inside the block (XLA's C++
+  logging), as a list of lines (complete on exit), passed on to stderr as
+  it comes (`echo` False: kept back, the caller handles what it says).
+
+  XLA's warnings (an involuntary rematerialization, a field the CUDA
+  compiler does not know) reach no Python API: its C++ logging writes to
+  descriptor 2. So the block points that descriptor at a file, which a
+  thread follows and forwards to the real stderr as it grows: nothing is
+  held back until the block ends (a compile can take minutes, and a crash
+  inside it would lose the lot) and, echoed, the terminal sees what it
+  would have. A file, not a pipe: a write never waits for the thread (which
+  needs the GIL, and native code may hold it while it logs). One block at a
+  time per process (a lock: the descriptor is the process's)."""
+  with _LOGGED, tempfile.TemporaryFile() as f:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    done = threading.Event()
+
+    def forward():
+      at = 0
+      while True:
+        last = done.is_set()
+        while data := os.pread(f.fileno(), 1 << 16, at):
+          at += len(data)
+          while echo and data:  # a write may take part of it
+            data = data[os.write(saved, data) :]
+        if last:
+          return
+        done.wait(0.05)
+
+    thread = threading.Thread(target=forward, name="compiled.logged", daemon=True)
     os.dup2(f.fileno(), 2)
+    thread.start()
+    lines: list[str] = []
     try:
       yield lines
     finally:
       sys.stderr.flush()
       os.dup2(saved, 2)
+      done.set()
+      thread.join()
       os.close(saved)
-      f.seek(0)
-      text = f.read()
-      if echo:
-        sys.stderr.write(text)
-      lines += text.splitlines()
+      text = os.pread(f.fileno(), os.fstat(f.fileno()).st_size, 0)
+      lines += text.decode(errors="replace").splitlines()
 
 
 def refusal(rematerialized: list, on_target: bool, allowed: bool) -> str | None:

@@ -42,6 +42,7 @@ def base() -> ml_collections.ConfigDict:
     train_hops=4,
     train_per_hop=2000,
     test_per_hop=200,
+    val_per_hop=0,  # held-out chains per k (none trained on) to tune halting on
     # where the answer is read: 0, at the chain's last token (position k); P,
     # every chain padded to P tokens and read at column P - 1, a pad (LTG's
     # code: 50 and 49), so the reading position tells nothing of k
@@ -145,8 +146,9 @@ def base() -> ml_collections.ConfigDict:
     # the gradient added back (kind "ema": decay alpha; "ma": the mean of the
     # last `window`; times lamb), perp-Grad (the gradient's component along
     # each weight removed), and StableMax in place of softmax in the answer's
-    # cross-entropy (xent "stablemax", loss.py).
-    grokfast=dict(kind="none", alpha=0.98, lamb=2.0, window=100),
+    # cross-entropy (xent "stablemax", loss.py). The filter's state is
+    # float32 whatever the params' dtype ("params": theirs).
+    grokfast=dict(kind="none", alpha=0.98, lamb=2.0, window=100, state_dtype="float32"),
     perp_grad=False,
     xent="softmax",
     supervise="last",  # iterations with a loss (train.supervised)
@@ -173,7 +175,25 @@ def base() -> ml_collections.ConfigDict:
   # Grokking phase thresholds (loopjax/kg/grokking.py): accuracy on
   # train_inferred, test_inferred_id and test_inferred_ood.
   c.phases = dict(memorize=0.99, id=0.9, ood=0.9)
-  c.eval = dict(batch_size=1024, depths=())  # depths: () = train R only
+  # depths: () = train R only. Chains beyond the trained hops are reported
+  # three ways (kg/depth.py): at extrapolation_depth iterations, fixed before
+  # training (0: model.num_loops); halting on LTG's KL + entropy rule, its
+  # thresholds tuned on the val_k splits of the trained depths (the grids)
+  # where data.val_per_hop holds some, else eps and tau; at the best depth
+  # evaluated (an oracle: chosen on the test chains).
+  c.eval = dict(
+    batch_size=1024,
+    depths=(),
+    extrapolation_depth=0,
+    halting=dict(
+      r_min=2,
+      r_max=16,
+      eps=1e-3,  # LTG's inference script: eps 1e-3, tau 3, up to 16 iterations
+      tau=3.0,
+      eps_grid=(1e-4, 1e-3, 1e-2, 1e-1, 0.5),
+      tau_grid=(0.1, 0.3, 1.0, 3.0),
+    ),
+  )
   # The device mesh (sizes of data, fsdp, tensor; -1: the remaining devices)
   # and which mesh axes each logical axis name is split over (sharding.py).
   # devices: how many of this host's devices to use (0 = all).

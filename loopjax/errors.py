@@ -4,7 +4,15 @@ import sys
 
 
 class ConfigError(ValueError):
-  """Bad input (a config value, a path, a data file); the message is one line."""
+  """Bad input (a config value, a path, a data file); the message is one line.
+  A command line ends on it with that line and exit 2 (`cli.run`)."""
+
+
+class Stopped(RuntimeError):
+  """Work that cannot go on though neither the input nor the code is at fault
+  (a run diverged or lost its disk or its lease, a target's compiler failed);
+  the message is one line that says what was kept. A command line ends on it
+  with that line and exit 1 (`cli.run`)."""
 
 
 def first_line(e: Exception, limit: int = 400) -> str:

@@ -26,6 +26,7 @@ ENUMS = {
   "train.decay": ("matrices", "all"),
   "train.depth.dist": ("fixed", "poisson", "lognormal_poisson"),
   "train.grokfast.kind": ("none", "ema", "ma"),
+  "train.grokfast.state_dtype": ("float32", "params"),
   "train.xent": ("softmax", "stablemax"),
   "analyze.halting.start": HALTING_START,
 }

@@ -24,13 +24,13 @@ import time
 from loopjax import config as config_lib
 from loopjax import evaluate, metrics, restore, storage
 from loopjax import task as task_lib
-from loopjax.errors import first_line
+from loopjax.errors import Stopped, first_line
 from loopjax.workdir import Workdir
 
 RETRIES = 3  # looks at a checkpoint that does not restore before skipping it
 
 
-class TrainerStopped(RuntimeError):
+class TrainerStopped(Stopped):
   """The trainer ended before its last step; everything it saved is evaluated."""
 
 

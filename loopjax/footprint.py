@@ -5,9 +5,13 @@ A step that cannot fit should fail in seconds with the fields that make it
 big, not after minutes of compiling and a kill by the OS (a 100k-token
 sequence's document mask alone is 80 GB). The bound counts only what the step
 must hold at once: the train state's shard (float32 params, Adam's two
-moments, the gradient), the state (B, T, D) the scan over iterations keeps
-of each of its R_max iterations for the backward pass, and what the
-attention kernel the step will run builds for one layer
+moments, the gradient, and a Grokfast filter's state: 4 bytes per parameter
+for the EMA, 4 x (window + 2) for the MA's window, their sum and the next
+to leave, 25x the rest at window 100: the bound is then within 2x of the
+compiled step's peak, `sysgen.py:tiny` 4.6 MiB against aot's 6.7, where
+without the filter it counted 0.23), the state (B, T, D) the scan over
+iterations keeps of each of its R_max iterations for the backward pass, and
+what the attention kernel the step will run builds for one layer
 (model/attention_kernels.py): under XLA's, for packed text the (B, T, T)
 document mask, and on an accelerator the attention logits (B, N, T, T) in
 float32; under the CPU's blocked kernel, the float32 scores, their weights'
@@ -27,12 +31,13 @@ import os
 import jax
 import jax.numpy as jnp
 
-from loopjax import sharding
+from loopjax import grad_filters, sharding
 from loopjax.errors import ConfigError
 from loopjax.model import attention_kernels, blocked_attention
 
 GIB = 2**30
 STATE = "params, Adam moments, gradient"  # float32: 16 bytes per parameter
+FILTER = "Grokfast filter state"  # grad_filters.state_bytes per parameter
 ITERATIONS = "each iteration's state"
 BLOCKED = "attention scores of every block (3 x B, N, ~T^2 / 2)"
 
@@ -60,7 +65,12 @@ def lower_bound(config, family, task, mesh, evaluation=False) -> dict[str, float
   kernel = attention_kernels.choose(m.attention, platform, T, packed, m.dtype)
   B = config.eval.batch_size if evaluation else config.train.batch_size
   rows = B / sharding.batch_split(mesh, config.sharding.rules)
-  out = {STATE: 16 * params(m, V) / mesh.devices.size}
+  P = params(m, V) / mesh.devices.size
+  out = {STATE: 16 * P}
+  if filt := grad_filters.state_bytes(config.train):
+    g = config.train.grokfast
+    window = f", window {g.window}" if g.kind == "ma" else ""
+    out[f"{FILTER} ({g.kind}{window})"] = filt * P
   depth = config.train.depth
   R = m.num_loops if depth.dist == "fixed" else depth.max
   width = jnp.dtype(m.dtype).itemsize
@@ -106,6 +116,9 @@ def check(config, family, task, mesh) -> None:
     fields = (  # the state's shard grows with the model, not the batch
       "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
       if big == STATE
+      else "train.grokfast (kind, window, state_dtype), model (d_model, "
+      "num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
+      if big.startswith(FILTER)
       else f"model.num_loops (or train.depth.max), {batch}, data.seq_len"
       if big.startswith(ITERATIONS)
       else f"{batch}, data.seq_len"

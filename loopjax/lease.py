@@ -33,12 +33,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from loopjax import storage
-from loopjax.errors import ConfigError, first_line
+from loopjax.errors import ConfigError, Stopped, first_line
 
 RECENT_S = 5.0  # a check this soon after a renewal reads instead of writing
 
 
-class LeaseLost(RuntimeError):
+class LeaseLost(Stopped):
   """Another process holds the lease now: this one must not write."""
 
 

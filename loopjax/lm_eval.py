@@ -16,7 +16,7 @@ process 0 writes (`lm.harness.run`).
 from absl import flags
 
 from loopjax import cli
-from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax.errors import ConfigError, first_line
 from loopjax.field_rules import MAX_ITERATIONS
 
 FLAGS = flags.FLAGS
@@ -48,24 +48,21 @@ def _recurrences() -> tuple[int, ...]:
 
 def main(argv):
   workdir = cli.workdir(argv)
+  config = cli.config(workdir)
+  loops = _recurrences()
   try:
-    config = cli.config(workdir)
-    loops = _recurrences()
-    try:
-      from loopjax.lm import harness
-    except ImportError as e:
-      raise ConfigError(
-        f"needs lm-evaluation-harness ({first_line(e)}); pip install -e '.[lm_eval]'"
-      ) from None
-    with cli.processes():  # the model on every process's devices
-      harness.run(
-        config, workdir, tasks=FLAGS.tasks, recurrences=loops, exit=FLAGS.exit,
-        threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,
-        num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, step=FLAGS.step,
-        apply_chat_template=FLAGS.apply_chat_template, batch_size=FLAGS.batch_size,
-      )  # fmt: skip
-  except ConfigError as e:
-    exit_with(str(e))
+    from loopjax.lm import harness
+  except ImportError as e:
+    raise ConfigError(
+      f"needs lm-evaluation-harness ({first_line(e)}); pip install -e '.[lm_eval]'"
+    ) from None
+  with cli.processes():  # the model on every process's devices
+    harness.run(
+      config, workdir, tasks=FLAGS.tasks, recurrences=loops, exit=FLAGS.exit,
+      threshold=FLAGS.exit_threshold, include_path=FLAGS.include_path,
+      num_fewshot=FLAGS.num_fewshot, limit=FLAGS.limit, step=FLAGS.step,
+      apply_chat_template=FLAGS.apply_chat_template, batch_size=FLAGS.batch_size,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,8 +11,7 @@ over a list of recurrences: `python -m loopjax.lm_eval`.
 from absl import flags
 
 from loopjax import cli
-from loopjax.errors import ConfigError, exit_with
-from loopjax.lease import LeaseLost
+from loopjax.errors import ConfigError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum(
@@ -35,11 +34,11 @@ flags.DEFINE_float("poll_s", 2.0, "--follow: seconds between looks for checkpoin
 
 def _checked_flags() -> None:
   if FLAGS.follow and FLAGS.mode != "eval":
-    exit_with("--follow: only with --mode=eval")
+    raise ConfigError("--follow: only with --mode=eval")
   if FLAGS.analyze and not FLAGS.follow:
-    exit_with("--analyze: only with --mode=eval --follow (else --mode=analyze)")
+    raise ConfigError("--analyze: only with --mode=eval --follow (else --mode=analyze)")
   if FLAGS.follow and FLAGS.step is not None:
-    exit_with("--step: not with --follow (it evaluates every checkpoint)")
+    raise ConfigError("--step: not with --follow (it evaluates every checkpoint)")
 
 
 def _run(config, workdir) -> None:
@@ -79,28 +78,21 @@ def main(argv):
 
     try:
       print("wrote " + ", ".join(map(str, report.report(workdir))))
-    except (FileNotFoundError, ConfigError) as e:
-      exit_with(str(e))
+    except FileNotFoundError as e:  # a folder without runs: the user's to fix
+      raise ConfigError(str(e)) from None
     return
   import jax
 
-  from loopjax import follow, train
-
-  try:
-    # --follow: the workdir may not exist yet, its config comes later
-    follows = FLAGS.follow and FLAGS.config is None
-    config = None if follows else cli.config(workdir, FLAGS.mode == "train")
-    with cli.processes():
-      if jax.process_count() > 1 and FLAGS.follow:
-        raise ConfigError(
-          "--follow runs in one process (every other mode runs on several); "
-          "leave out the multi-process flags"
-        )
-      _run(config, workdir)
-  except ConfigError as e:
-    exit_with(str(e))
-  except (train.RunStopped, follow.TrainerStopped, LeaseLost) as e:
-    exit_with(str(e), code=1)
+  # --follow: the workdir may not exist yet, its config comes later
+  follows = FLAGS.follow and FLAGS.config is None
+  config = None if follows else cli.config(workdir, FLAGS.mode == "train")
+  with cli.processes():
+    if jax.process_count() > 1 and FLAGS.follow:
+      raise ConfigError(
+        "--follow runs in one process (every other mode runs on several); "
+        "leave out the multi-process flags"
+      )
+    _run(config, workdir)
 
 
 if __name__ == "__main__":

@@ -6,19 +6,22 @@ forward. Each reports memory per device, compile time and XLA's warnings
 (`python -m loopjax.aot` prints them, each pass's as its compile ends: on a
 TPU target from a small host one can take minutes). A pass has a short name
 (train, eval, analysis, sampling; a pretrained model's analysis and
-forward) by which `only` chooses some."""
+forward) by which `only` chooses some. Before anything is lowered, a model
+whose state cannot fit a device is refused (`_state_fits`)."""
 
+import math
+import os
 import time
 
 import jax
 import numpy as np
 
-from loopjax import compiled, restore, sharding, state, train
+from loopjax import compiled, footprint, restore, sharding, state, train
 from loopjax import config as config_lib
 from loopjax import task as task_lib
 from loopjax.analysis import depth_scan, registry
 from loopjax.bench import measure
-from loopjax.errors import ConfigError, first_line
+from loopjax.errors import ConfigError, Stopped, first_line
 
 
 def _batch(family, config, task, B: int, put) -> dict:
@@ -29,7 +32,7 @@ def _batch(family, config, task, B: int, put) -> dict:
   }
 
 
-class CompileFailed(RuntimeError):
+class CompileFailed(Stopped):
   """The target's compiler failed on a program (its bug, not the config's)."""
 
 
@@ -48,6 +51,109 @@ def _compile(lowered, what: str, target: str, fields: str):
     raise CompileFailed(
       f"XLA failed to compile {what} for {target}: {first_line(e)}"
     ) from None
+
+
+def _per_device(tree) -> int:
+  """Bytes on each device of abstract arrays, each its shard as its sharding
+  places it (PRNG keys, a few bytes, count nothing)."""
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for x in jax.tree.leaves(tree)
+    if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+  )
+
+
+def _model_fields(config, vocab: int) -> str:
+  """The fields that size a model's parameters (`footprint.params`): its
+  width; its blocks' count and MLP, and the vocabulary, where they hold a
+  quarter of the count or more; then the mesh axes that split them."""
+  m = config.model
+  total, embedding = footprint.params(m, vocab), vocab * m.d_model
+  fields = ["model.d_model"]
+  if 4 * (total - embedding) >= total:
+    fields += [f"model.{k}" for k in ("num_prelude", "num_layers", "num_coda") if m[k]]
+    fields.append("model.mlp_hidden" if m.mlp_hidden else "model.mlp_ratio")
+  if 4 * embedding >= total:
+    fields.append(
+      "data.vocab_size" if vocab == config.data.vocab_size else "the vocabulary"
+    )
+  return ", ".join([*fields, "mesh.fsdp", "mesh.tensor"])
+
+
+def _capacity(target, mesh) -> tuple[int, str]:
+  """(bytes per device, what they are): a target's chip's, else this host's
+  memory shared by its CPU devices (`footprint.capacity`)."""
+  if target is None:
+    return footprint.capacity(mesh)
+  return target.bytes_per_device, f"a {target.name} device"
+
+
+def _state_fits(fields: str, what: str, need: int, target, mesh) -> None:
+  """Refuses (ConfigError naming `fields`) a state of `need` bytes per
+  device more than a device holds: before anything is lowered, as a
+  target's compiler may abort the process on a program that large (libtpu:
+  a failed allocation in its own checks, nothing printed)."""
+  cap, where = _capacity(target, mesh)
+  if need > cap:
+    raise ConfigError(
+      f"{fields}: the model alone does not fit {where} ({what}: "
+      f"{need / footprint.GIB:.2f} GiB per device as the mesh shards them; the "
+      f"device has {cap / footprint.GIB:.2f} GiB)"
+    )
+
+
+def _bound_fits(config, family, task, train_step: bool, target, mesh) -> None:
+  """Before the model is built (a block is a Python object: 2^31 of them
+  never are): footprint's lower bound of the train step (as training holds
+  it against the devices' memory), or for the other passes the float32
+  params alone evenly split, against a device's memory (ConfigError naming
+  the fields behind the bound's largest term)."""
+  V = task.model_dims()[0]
+  if train_step:
+    terms = footprint.lower_bound(config, family, task, mesh)
+  else:
+    terms = {"the params": 4 * footprint.params(config.model, V) / mesh.devices.size}
+  cap, where = _capacity(target, mesh)
+  if (need := sum(terms.values())) <= cap:
+    return
+  big = max(terms, key=terms.get)
+  fields = (
+    _model_fields(config, V)
+    if big in (footprint.STATE, "the params")
+    else f"train.grokfast (kind, window), {_model_fields(config, V)}"
+    if big.startswith(footprint.FILTER)
+    else "model.num_loops (or train.depth.max), train.batch_size, data.seq_len"
+    if big.startswith(footprint.ITERATIONS)
+    else "train.batch_size, data.seq_len"
+  )
+  raise ConfigError(
+    f"{fields}: {'a step' if train_step else 'the model'} needs at least "
+    f"{need / footprint.GIB:,.1f} GiB per device ({big}: "
+    f"{terms[big] / footprint.GIB:,.1f} GiB) and {where} has "
+    f"{cap / footprint.GIB:.1f} GiB"
+  )
+
+
+def _train_state_fits(config, task, abstract, train_step: bool, target, mesh) -> None:
+  """The run's state against a device's memory (`_state_fits`): the params,
+  and for the train step its whole state (optimizer moments, gradient
+  filters) and a gradient. On a target, the gradient's shard must also fit
+  this host's memory: the target's compiler holds literals that size on the
+  host while it compiles, and libtpu aborts when it cannot allocate one."""
+  fields = _model_fields(config, task.model_dims()[0])
+  grad = _per_device(abstract["params"])
+  if not train_step:
+    return _state_fits(fields, "the params", grad, target, mesh)
+  need = _per_device(abstract) + grad
+  _state_fits(fields, "params, optimizer state, a gradient", need, target, mesh)
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  if target is not None and grad > host:
+    raise ConfigError(
+      f"{fields}: compiling the train step for {target.name} holds its "
+      f"gradient's shard ({grad / footprint.GIB:.2f} GiB per device) in this "
+      f"host's {host / footprint.GIB:.2f} GiB: shard it more, or compile on a "
+      "larger host"
+    )
 
 
 def _lower_and_compile(fn, args, what: str, target: str, fields: str) -> tuple:
@@ -136,6 +242,8 @@ def check_pretrained(
     },
   }
   programs = _chosen(programs, only)
+  fields = "model.hf_dir (its size), model.dtype, mesh.fsdp, mesh.tensor"
+  _state_fits(fields, "the params", _per_device(model.params), target, mesh)
   where = target.name if target else f"cpu:{len(devices)}"
   passes, remat = _compile_all(
     programs,
@@ -209,6 +317,7 @@ def check(
   family = task_lib.for_config(config)
   task = family.without_examples(config)
   mesh = sharding.run_mesh(config, devices).mesh
+  _bound_fits(config, family, task, not only or "train" in only, target, mesh)
   graphdef, abstract, tx, shardings = state.sharded_train_state(
     config, task, mesh, abstract=True
   )
@@ -218,6 +327,7 @@ def check(
   programs = {"train": {"train step": (step, (abstract, batch))}}
   programs |= _other_passes(config, family, task, mesh, graphdef, abstract, shardings)
   programs = _chosen(programs, only)
+  _train_state_fits(config, task, abstract, "train" in programs, target, mesh)
   report = {"target": target.name if target else f"cpu:{len(devices)}"}
   report["mesh"], remat = dict(mesh.shape), []
   if train_step := programs.pop("train", None):

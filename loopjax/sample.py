@@ -12,7 +12,6 @@ the model spans every process's devices; process 0 prints the text.
 from absl import flags
 
 from loopjax import cli, sharding
-from loopjax.errors import ConfigError, exit_with
 from loopjax.field_rules import MAX_ITERATIONS
 from loopjax.workdir import Workdir
 
@@ -35,22 +34,19 @@ flags.DEFINE_integer("seed", 0, "The sampling key's seed.")
 
 def main(argv):
   workdir = cli.workdir(argv)
-  try:
-    config = cli.config(workdir)
+  config = cli.config(workdir)
 
-    from loopjax import restore
-    from loopjax import task as task_lib
+  from loopjax import restore
+  from loopjax import task as task_lib
 
-    if not restore.pretrained(config):  # a pretrained model records no run
-      Workdir(workdir).check(config)
-    with cli.processes():  # the model on every process's devices
-      text = task_lib.for_config(config).sample(
-        config, workdir, FLAGS.prompt, step=FLAGS.step, num_loops=FLAGS.num_loops,
-        max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k, seed=FLAGS.seed,
-      )  # fmt: skip
-  except ConfigError as e:
-    exit_with(str(e))
+  if not restore.pretrained(config):  # a pretrained model records no run
+    Workdir(workdir).check(config)
+  with cli.processes():  # the model on every process's devices
+    text = task_lib.for_config(config).sample(
+      config, workdir, FLAGS.prompt, step=FLAGS.step, num_loops=FLAGS.num_loops,
+      max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+      top_k=FLAGS.top_k, seed=FLAGS.seed,
+    )  # fmt: skip
   if sharding.writes():  # every process has the text: one prints it
     print(text)
 

@@ -141,7 +141,9 @@ def param_axes(abstract_model) -> dict:
 
 def state_shardings(abstract_state, axes, tx, mesh, rules) -> dict:
   """NamedShardings of the train state: params by their axes, optimizer moments
-  like their params, every scalar (step, rng, counts, stage) replicated."""
+  like their params (copies of a param stacked on leading axes, as Grokfast
+  MA's window: those axes whole), every scalar (step, rng, counts, stage)
+  replicated."""
 
   def named(p):
     return NamedSharding(mesh, p)
@@ -152,11 +154,17 @@ def state_shardings(abstract_state, axes, tx, mesh, rules) -> dict:
     abstract_state["params"],
     is_leaf=lambda a: isinstance(a, tuple),
   )
+
+  def like(x, s, p):  # x: a state leaf for the param p sharded as s
+    lead = (None,) * (len(x.shape) - len(p.shape))
+    return named(PartitionSpec(*lead, *s.spec)) if lead else s
+
   opt = optax.tree_map_params(
     tx,
-    lambda _, s: s,
+    like,
     abstract_state["opt_state"],
     params,
+    abstract_state["params"],
     transform_non_params=lambda _: named(PartitionSpec()),
   )
   rest = {

@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from loopjax import checkpoint, compiled, footprint, metrics, recurrence, sharding
 from loopjax import task as task_lib
-from loopjax.errors import ConfigError, first_line
+from loopjax.errors import ConfigError, Stopped, first_line
 from loopjax.lease import LeaseLost
 from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state
@@ -107,7 +107,7 @@ class _Compiled:
     return executable
 
 
-class RunStopped(RuntimeError):
+class RunStopped(Stopped):
   """The run cannot go on (diverged, disk full); its saved checkpoints are intact."""
 
 

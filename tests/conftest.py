@@ -229,8 +229,7 @@ def main_in_process(*argv, entry: str = "main") -> tuple[int, list[str]]:
     contextlib.redirect_stdout(io.StringIO()),
   ):
     try:
-      main.main(cli._parse(argv))
-      code = 0
+      code = cli.ended(main.main)(cli._parse(argv)) or 0  # as cli.run ends it
     except SystemExit as e:
       code = e.code
   return code, err.getvalue().splitlines()

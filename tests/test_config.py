@@ -140,9 +140,17 @@ def test_a_conflict_is_one_short_line_however_many_fields_differ(tmp_path):
   [
     ("--config.model.num_loops=0", "error: model.num_loops: must be in [1, 4096]"),
     ("--config.model.num_loops=abc", "error: "),
-    (
+    (  # a long section: what is near the typo, and where all are listed
       "--config.model.no_such_field=1",
-      "error: --config.model.no_such_field: no such field; config.model has: attention",
+      "error: --config.model.no_such_field: no such field; none of config.model's",
+    ),
+    (
+      "--config.model.num_loop=1",
+      "error: --config.model.num_loop: no such field; did you mean num_loops or",
+    ),
+    (  # a short one: all of it
+      "--config.eval.depth=1",
+      "error: --config.eval.depth: no such field; config.eval has: batch_size, ",
     ),
     ("--config.seed.x=1", "error: --config.seed.x: config.seed is a value, not a"),
     ("--config.data.ood_ratio=1.5", "error: data.ood_ratio: must be in [0, 1]"),

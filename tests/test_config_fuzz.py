@@ -8,11 +8,14 @@ tracing of the train step and a real evaluation without any other exception.
 
 import json
 import math
+import os
+import subprocess
+import sys
 import time
 
 import jax
 import pytest
-from conftest import main_in_process
+from conftest import CPU_ENV, main_in_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -539,3 +542,161 @@ def test_sample_counts_are_one_line(lm_run, args):
 @given(_sample_args)
 def test_sample_counts_many(lm_run, args):
   _check_sample(lm_run, args)
+
+
+# Every absl entry point (`python -m loopjax.<entry>`, each through cli.run)
+# given a bad input: a field that does not exist (one line that names what is
+# near it, not the section's every field), a value a field refuses, a config
+# file that does not exist, an argument too many. The harness's own command
+# line: test_harness_model_args_are_one_line_or_accepted.
+_ENTRIES = {
+  "main": ("experiments/sysgen.py:tiny", ["--mode=eval", "--workdir={w}"]),
+  "sample": ("experiments/lm.py:tiny", ["--workdir={w}"]),
+  "aot": ("experiments/sysgen.py:tiny", ["--devices=1"]),
+  "lm_eval": ("experiments/lm.py:tiny", ["--workdir={w}"]),
+  "data": ("experiments/sysgen.py:tiny", ["export", "--out={w}"]),
+  "bench": ("experiments/bench.py", ["step"]),
+}
+_IN_PROCESS = ("main", "sample", "aot")  # the others' flags clash: processes
+_BASE = config_lib.base()
+_REFUSED = [  # (field, value) that every experiment's validation refuses
+  ("model.num_loops", "0"),
+  ("model.d_model", "-1"),
+  ("train.lr", "-1.0"),
+  ("train.batch_size", "0"),
+  ("eval.batch_size", "0"),
+  ("log_every", "0"),
+]
+_faults = st.one_of(
+  st.sampled_from(["model", "train", "data", "eval", "checkpoint"]).flatmap(
+    lambda s: st.tuples(
+      st.just("unknown"),
+      st.just(s),
+      st.text("abcdefghilmnoprstu_", min_size=1, max_size=12).filter(
+        lambda k, s=s: k not in _BASE[s]
+      ),
+    )
+  ),
+  st.tuples(st.just("refused"), st.sampled_from(_REFUSED)),
+  st.just(("no_file",)),
+  st.just(("argument",)),
+)
+
+
+def _entry_argv(entry: str, fault: tuple, workdir) -> list[str]:
+  config, args = _ENTRIES[entry]
+  argv = [f"--config={config}", *(a.format(w=workdir) for a in args)]
+  kind, *what = fault
+  if kind == "unknown":
+    argv.append(f"--config.{what[0]}.{what[1]}=1")
+  elif kind == "refused":
+    argv.append(f"--config.{what[0][0]}={what[0][1]}")
+  elif kind == "no_file":
+    argv[0] = "--config=experiments/no_such_experiment.py"
+  else:
+    argv.append("stray")
+  return argv
+
+
+def _check_entry(lines, code, seconds, case, fault, limit=30):
+  assert code == 2, (case, code, lines)
+  _one_line_or_ok(code, lines, case, seconds, limit)
+  if fault[0] == "unknown":  # what is near the typo, never all 39 fields
+    assert "no such field" in lines[0] and len(lines[0]) < 200, (case, lines)
+
+
+@_settings(24)  # the slow tier runs every entry point as a process
+@given(st.sampled_from(_IN_PROCESS), _faults)
+def test_bad_input_at_an_entry_point_is_one_line(prepared, entry, fault):
+  root, _ = prepared
+  argv = _entry_argv(entry, fault, root / "entry")
+  cache = jax.config.jax_enable_compilation_cache  # aot turns it off
+  start = time.monotonic()
+  try:
+    code, lines = main_in_process(*argv, entry=entry)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+  _check_entry(lines, code, time.monotonic() - start, (entry, argv), fault)
+
+
+@pytest.mark.slow
+@_settings(60)
+@given(st.sampled_from(sorted(_ENTRIES)), _faults)
+def test_bad_input_at_every_entry_point_is_one_line(prepared, entry, fault):
+  """As `python -m loopjax.<entry>` runs, in its own process."""
+  root, _ = prepared
+  argv = _entry_argv(entry, fault, root / "entry")
+  start = time.monotonic()
+  proc = subprocess.run(
+    [sys.executable, "-m", f"loopjax.{entry}", *argv],
+    capture_output=True,
+    text=True,
+    env=CPU_ENV,
+    timeout=120,
+  )
+  lines = proc.stderr.strip().splitlines()
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  seconds = time.monotonic() - start  # with a process's start: JAX's import
+  _check_entry(lines, proc.returncode, seconds, (entry, argv), fault, limit=60)
+
+
+# A model no target holds, from `python -m loopjax.aot`: refused before
+# anything is lowered or built (a target's compiler aborts the process on
+# such a program: libtpu, with nothing printed), in one line naming the
+# field that sizes it. test_launch: the same on a TPU slice's chips.
+_AOT_SIZED = (
+  "model.d_model",
+  "model.num_layers",
+  "model.num_prelude",
+  "model.num_coda",
+  "model.mlp_ratio",
+  "model.mlp_hidden",
+  "data.vocab_size",
+)
+_aot_sized = st.tuples(
+  st.sampled_from(_AOT_SIZED), st.sampled_from([2**31, 2**40, 2**63 - 1, 10**30])
+)
+
+
+def _check_aot_size(field, value, *flags):
+  cache = jax.config.jax_enable_compilation_cache
+  start = time.monotonic()
+  try:
+    code, lines = main_in_process(
+      "--config=experiments/lm.py:tiny", f"--config.{field}={value}", *flags,
+      entry="aot",
+    )  # fmt: skip
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+  case = (field, value, flags)
+  assert code == 2, (case, code, lines)
+  _one_line_or_ok(code, lines, case, time.monotonic() - start, 30)
+  assert field in lines[0], (case, lines)
+
+
+@_settings(12)  # 80: -m slow
+@given(_aot_sized)
+def test_aot_refuses_a_model_no_device_holds_in_one_line(case):
+  _check_aot_size(*case)
+
+
+@pytest.mark.slow
+@_settings(80)
+@given(_aot_sized)
+def test_aot_refuses_models_no_device_holds_many(case):
+  _check_aot_size(*case)
+
+
+def test_aot_names_the_models_width_when_its_state_alone_does_not_fit():
+  """The issue's case on forced CPU devices: d_model 65536 (a 6 TB train
+  state), and one whose parameters fit a device only if split, replicated
+  over the data axis (the bound, which assumes an even split, passes it)."""
+  _check_aot_size("model.d_model", 65536, "--config.model.num_heads=64")
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  # a state and gradient of 16 bytes a parameter, ~12 D^2 parameters (one
+  # block): ~1.5x a device's share of the host (8 devices), replicated; the
+  # bound splits ~10 D^2 evenly over the 8 devices: 0.16x, it passes
+  width = int(math.sqrt(1.5 * host / 8 / 16 / 12)) // 128 * 128  # rope: even
+  _check_aot_size(
+    "model.d_model", width, "--config.model.num_heads=64", "--config.mesh.data=8"
+  )

@@ -258,6 +258,55 @@ def test_aot_compiles_for_a_tpu_slice_with_its_kernels():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("width", [4096, 8192, 65536])
+def test_aot_refuses_a_model_a_tpu_slice_cannot_hold_before_lowering(width):
+  """libtpu aborted the process (SIGABRT, nothing printed) compiling a step
+  whose gradient it could not allocate on the host (d_model 65536), and
+  named the batch for one it could not fit (8192): each is refused before
+  anything is lowered, in one line naming the model's size. At 4096 the
+  even-split bound passes; the state replicated over mesh.data does not."""
+  pytest.importorskip("libtpu")
+  out = _aot(
+    "--target=tpu:v5e:2x2", f"--config.model.d_model={width}",
+    "--config.model.num_heads=64", config="experiments/lm.py:gpu",
+  )  # fmt: skip
+  assert out.returncode == 2, out.stderr[-2000:]
+  (line,) = out.stderr.strip().splitlines()
+  assert line.startswith("error: model.d_model, model.num_prelude, model.num_layers")
+  assert "mesh.fsdp, mesh.tensor: " in line and "tpu:v5e:2x2 device" in line, line
+  assert "compiled" not in out.stdout  # nothing was lowered
+
+
+def test_aot_refuses_a_gradient_this_host_cannot_hold_while_compiling():
+  """A device with room for the state (a target's chip) but a gradient's
+  shard past this host's memory: the target's compiler would build host
+  literals that size (libtpu aborts when it cannot)."""
+  import jax
+  import numpy as np
+
+  from experiments import lm
+  from loopjax import passes, targets
+  from loopjax import task as task_lib
+  from loopjax.errors import ConfigError
+
+  config = lm.get_config("tiny")
+  task = task_lib.for_config(config).without_examples(config)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  n = host // 4 + 1  # float32s: one more than the host holds
+  params = {"w": jax.ShapeDtypeStruct((n,), np.float32, sharding=whole)}
+  abstract = {"params": params, "mu": params, "nu": params}
+  big = targets.Target("tpu:big", [], 8 * n * 4, 1.0, 1.0)  # room for the state
+  with pytest.raises(ConfigError, match=r"this host's .* GiB: shard it more"):
+    passes._train_state_fits(config, task, abstract, True, big, mesh)
+  small = big._replace(bytes_per_device=4 * n * 4 - 1)  # the state and gradient
+  with pytest.raises(ConfigError, match=r"the model alone does not fit a tpu:big"):
+    passes._train_state_fits(config, task, abstract, True, small, mesh)
+  passes._train_state_fits(config, task, abstract, False, small, mesh)  # eval: fits
+
+
+@pytest.mark.slow
 def test_aot_compiles_for_a_gpu_node():
   """XLA's CUDA compiler with the H200's target config (the `cuda12` extra;
   skipped without it): 8 compile-only H200s, memory against their 141 GB."""

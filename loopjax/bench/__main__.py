@@ -57,7 +57,7 @@ from loopjax.bench import (
   storage,
 )
 from loopjax.data import kg, tfds_kg
-from loopjax.errors import ConfigError, exit_with
+from loopjax.errors import ConfigError
 
 FLAGS = flags.FLAGS  # --config: cli's, loaded as every entry point loads it
 _TORCH = flags.DEFINE_bool("torch", False, "Also time the PyTorch reference.")
@@ -234,7 +234,7 @@ BENCHMARKS = {
 def main(argv):
   if argv[1:] == ["accelerator"]:  # the parent of the parts: it starts no backend
     if not _OUT.value:
-      exit_with("accelerator: --out=DIR is required")
+      raise ConfigError("accelerator: --out=DIR is required")
     report = accelerator.run(_OUT.value, smoke=_SMOKE.value)
     failed = [
       k for k, v in report["parts"].items() if v["status"] not in ("ok", "skipped")
@@ -245,21 +245,18 @@ def main(argv):
     return 1 if failed else 0
   if len(argv) != 2 or argv[1] not in BENCHMARKS:
     names = ", ".join([*BENCHMARKS, "accelerator"])
-    exit_with(f"expected one benchmark, one of {names}; got {argv[1:]}")
+    raise ConfigError(f"expected one benchmark, one of {names}; got {argv[1:]}")
   config = FLAGS.config
   if config is None and argv[1] != "devices":
-    exit_with(f"{argv[1]}: --config is required")
+    raise ConfigError(f"{argv[1]}: --config is required")
   if argv[1] in TIMED and "bench" not in config:
-    exit_with(
+    raise ConfigError(
       f"{argv[1]}: the config has no `bench` section (warmup, steps, repeats); "
       "use experiments/bench.py or experiments/lm.py, or add one"
     )
-  try:  # a bad field is one line, before anything compiles
-    if config is not None:
-      config_lib.validate(config)
-      config.unlock()  # benchmarks vary a copy's fields
-  except ConfigError as e:
-    exit_with(str(e))
+  if config is not None:  # a bad field is one line, before anything compiles
+    config_lib.validate(config)
+    config.unlock()  # benchmarks vary a copy's fields
   result = {
     "benchmark": argv[1],
     "machine": measure.machine(),

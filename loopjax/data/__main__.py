@@ -3,30 +3,26 @@
 python -m loopjax.data export --config=experiments/sysgen.py:tiny --out=DIR
 """
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
+from loopjax import cli, data
 from loopjax import config as config_lib
-from loopjax import data
 from loopjax.data import grokked_json
-from loopjax.errors import ConfigError, exit_with
+from loopjax.errors import ConfigError
 
-_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
-_OUT = flags.DEFINE_string(
-  "out", None, "Directory to write the JSON files to.", required=True
-)
+FLAGS = flags.FLAGS  # --config: cli's, loaded as every entry point loads it
+_OUT = flags.DEFINE_string("out", None, "Directory to write the JSON files to.")
 
 
 def main(argv):
   if argv[1:] != ["export"]:
-    raise app.UsageError(f"expected the command 'export'; got {argv[1:]}")
-  try:
-    config_lib.validate(_CONFIG.value)
-    grokked_json.export(data.knowledge_graph(_CONFIG.value.data), _OUT.value)
-  except ConfigError as e:
-    exit_with(str(e))
+    raise ConfigError(f"expected the command 'export'; got {argv[1:]}")
+  if FLAGS.config is None or not _OUT.value:
+    raise ConfigError("export: --config and --out=DIR are required")
+  config_lib.validate(FLAGS.config)
+  grokked_json.export(data.knowledge_graph(FLAGS.config.data), _OUT.value)
   print(f"wrote the papers' JSON files (train, valid, test, vocab) to {_OUT.value}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

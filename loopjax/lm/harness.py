@@ -41,8 +41,8 @@ from lm_eval import utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from loopjax import sharding, storage
-from loopjax.errors import ConfigError, exit_with, first_line
+from loopjax import cli, sharding, storage
+from loopjax.errors import ConfigError, first_line
 from loopjax.field_rules import ENUMS, MAX_ITERATIONS
 from loopjax.halting import Rule
 from loopjax.lm import scoring
@@ -442,22 +442,19 @@ def _precheck(args: list[str]) -> None:
   _checked(merged | {"batch_size": _batch_size(merged["batch_size"])})
 
 
-def main(argv=None):
-  """The harness's command line with `loopjax` registered; bad model
-  arguments exit 2 with one line."""
+def main(argv):
+  """The harness's command line (`argv`, the program first) with `loopjax`
+  registered; bad model arguments are a ConfigError (`cli.run`: one line)."""
   from lm_eval.__main__ import cli_evaluate
 
-  args = sys.argv[1:] if argv is None else argv
+  args = argv[1:]
   # hf_dir= is pretrained= (the name the harness's results folder is made from)
   args = [re.sub(r"(^|[,=])hf_dir=", r"\1pretrained=", a) for a in args]
-  sys.argv = [sys.argv[0], *args]
-  try:
-    _precheck(args)
-    with _data_on_disk():
-      cli_evaluate()
-  except ConfigError as e:
-    exit_with(str(e))
+  sys.argv = [argv[0], *args]
+  _precheck(args)
+  with _data_on_disk():
+    cli_evaluate()
 
 
 if __name__ == "__main__":
-  main()
+  cli.run(main, own_flags=True)
