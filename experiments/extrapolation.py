@@ -73,6 +73,7 @@ def get_config(variant: str = "cpu"):
     c.train.update(batch_size=64, num_steps=60, lr=5e-3, warmup_steps=10)
     c.train.curriculum.threshold = 0.0  # advance at every eval: exercised in tests
     c.eval.batch_size = 256
+    c.eval.halting.r_max = 6
     c.checkpoint.every = 20
     c.eval_every = 20
     c.log_every = 10
@@ -90,6 +91,7 @@ def get_config(variant: str = "cpu"):
       test_per_hop=200,
       probe_size=200,
       atomic_repeat=4,
+      val_per_hop=200,  # tunes the halting rule (kg/depth.py), test chains untouched
     )
     c.model.update(d_model=64, num_heads=4, num_layers=1, num_loops=8)
     c.train.depth.update(mean=6.0, min=2, max=8)

@@ -51,7 +51,8 @@ def evaluate_checkpoint(config, workdir, step: int | None = None) -> dict:
   title, depths, rows = family.eval_table(config, report)
   print(title)
   width = max(len(name) for name, _ in rows)
-  print(" " * width + "".join(f"{'R=' + str(d):>8}" for d in depths))
+  label = lambda d: f"R={d}" if isinstance(d, int) else d  # noqa: E731
+  print(" " * width + "".join(f"{label(d):>8}" for d in depths))
   for name, by_depth in rows:
     print(f"{name:<{width}}" + "".join(f"{by_depth[d]:8.3f}" for d in depths))
   print(f"wrote {out}")

@@ -275,7 +275,8 @@ class Limits(NamedTuple):
   threshold: float  # the gate's cumulative exit probability
 
 
-def _kl(logp, logq):
+def kl_of(logp, logq):
+  """KL(p || q) from log-probabilities, over the last axis."""
   return (jnp.exp(logp) * (logp - logq)).sum(-1)
 
 
@@ -317,15 +318,17 @@ class Criterion(NamedTuple):
 # One for each of `names.HALTING_CRITERIA`, the names config validation knows.
 CRITERIA = {
   "kl_entropy": Criterion(
-    lambda s, l: (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau),
+    lambda s, l: (kl_of(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau),
     ("eps", "tau"),
   ),
   "kl_entropy_len": Criterion(
-    lambda s, l: (_kl(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau_seq),
+    lambda s, l: (
+      (kl_of(s.logp, s.logp_prev) < l.eps) & (entropy_of(s.logp) < l.tau_seq)
+    ),
     ("eps", "tau", "tau_len"),
   ),
-  "kl": Criterion(lambda s, l: _kl(s.logp, s.logp_prev) < l.eps, ("eps",)),
-  "kl_reverse": Criterion(lambda s, l: _kl(s.logp_prev, s.logp) < l.eps, ("eps",)),
+  "kl": Criterion(lambda s, l: kl_of(s.logp, s.logp_prev) < l.eps, ("eps",)),
+  "kl_reverse": Criterion(lambda s, l: kl_of(s.logp_prev, s.logp) < l.eps, ("eps",)),
   "entropy": Criterion(lambda s, l: entropy_of(s.logp) < l.tau, ("tau",)),
   "entropy_diff": Criterion(
     lambda s, l: jnp.abs(entropy_of(s.logp) - s.entropy_prev) < l.eps, ("eps",)

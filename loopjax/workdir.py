@@ -33,6 +33,7 @@ RESUMABLE = (
   "checkpoint",
   "eval",
   "data.data_dir",
+  "data.val_per_hop",  # chains no step trains on (the data fingerprint guards resumes)
   "phases",
   "analyze",
   "mesh",  # a checkpoint restores on any mesh: where the math runs, not what

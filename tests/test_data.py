@@ -416,7 +416,7 @@ def test_chains_tfds_round_trip(chains, tmp_path):
   cfg = config_lib.base().data
   cfg.update(CHAINS, task="chains", data_dir=str(tmp_path))
   _assert_same_chains(loopjax.data.knowledge_graph(cfg), chains)
-  assert tfds_kg.config_name(cfg) == "e20_r4_k5_n60_t10_s3"
+  assert tfds_kg.config_name(cfg) == "e20_r4_k5_n60_t10_v0_s3"
 
 
 def test_chains_ltg_json_round_trip(chains, tmp_path):

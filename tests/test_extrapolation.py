@@ -13,7 +13,7 @@ from experiments import extrapolation
 from loopjax import metrics, restore, train
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
-from loopjax.kg import curriculum, overthinking
+from loopjax.kg import curriculum, depth, overthinking
 from loopjax.kg import spec as kg_spec
 from loopjax.kg.evaluate import Evaluator
 from loopjax.state import Model, train_state
@@ -251,3 +251,81 @@ def test_a_chains_run_reads_its_answer_at_a_pad_column(tmp_path):
   c.train.update(num_steps=20, supervise="from_hops")
   last = train.train_and_evaluate(c, tmp_path / "run")
   assert np.isfinite(last["train/loss"]) and "eval/test_k5/acc" in last
+
+
+def test_validation_chains_leave_train_and_test_as_they_were():
+  """val_k<k>: held out from training and disjoint from the test chains; the
+  train and test chains are those of a task without them."""
+  plain, with_val = (
+    small_chains(max_hops=4, train_per_hop=40, test_per_hop=10),
+    (small_chains(max_hops=4, train_per_hop=40, test_per_hop=10, val_per_hop=12)),
+  )
+  assert set(with_val.splits) - set(plain.splits) == {"val_k2", "val_k3", "val_k4"}
+  for name, split in plain.splits.items():
+    for column, a in split.items():
+      np.testing.assert_array_equal(with_val.splits[name][column], a)
+  for k in (2, 3, 4):
+    rows = lambda s: {tuple(r) for r in with_val.splits[f"{s}_k{k}"]["inputs"]}  # noqa: E731
+    assert len(rows("val")) == 12
+    assert not rows("val") & (rows("train") | rows("test"))
+  probes = kg.probes(with_val, train_hops=3, size=8)
+  assert "val_k3" in probes and "val_k4" not in probes  # trained depths only
+
+
+def test_halting_stops_at_the_first_settled_iteration_after_r_min():
+  inf = np.inf
+  kl_RN = np.array([[inf, inf, inf], [0.5, 1e-4, 1e-4], [1e-4, 1e-4, 0.2], [1e-4] * 3])
+  entropy_RN = np.array([[0.1] * 3, [0.1, 0.1, 5.0], [0.1, 0.1, 5.0], [0.1] * 3])
+  # example 0 settles at t = 3, 1 at t = 2 (r_min), 2 never: r_max
+  iters_N = depth.halt_at(kl_RN, entropy_RN, 1e-3, 3.0, r_min=2, r_max=3)
+  np.testing.assert_array_equal(iters_N, [3, 2, 3])
+  np.testing.assert_array_equal(
+    depth.halt_at(kl_RN, entropy_RN, 1e-3, 3.0, r_min=3, r_max=4), [3, 3, 4]
+  )
+
+
+def test_halting_thresholds_are_tuned_on_validation_chains_only(config):
+  """The test chains would choose other thresholds; the rule never sees them."""
+  h = config.eval.halting
+  h.update(r_min=2, r_max=3, eps_grid=(1e-3,), tau_grid=(0.5, 5.0))
+  one = np.ones((3, 1))
+  # entropy 1.0 at t = 2: tau 5 halts there, tau 0.5 runs to t = 3
+  signals = (None, None, np.full((3, 1), 1e-4), np.full((3, 1), 1.0))
+
+  def split(right_at):
+    correct = np.zeros((3, 1), bool)
+    correct[right_at - 1] = True
+    return (one, correct, *signals[2:])
+
+  examples = {"val_k2": split(2), "test_k5": split(3)}
+  eps, tau, tuned_on = depth.thresholds(examples, h)
+  assert (eps, tau, tuned_on) == (1e-3, 5.0, ["val_k2"])
+  res = depth.report(examples, h)
+  assert res["test_k5"]["acc"] == 0.0 and res["test_k5"]["iters"] == 2.0
+  assert res["val_k2"]["acc"] == 1.0
+  # no validation chains: the config's thresholds
+  assert depth.thresholds({"test_k5": split(3)}, h)[:2] == (h.eps, h.tau)
+
+
+def test_evaluation_reports_fixed_depth_and_halting(config, whole):
+  """The evaluator's halting accuracy is the per-iteration accuracy at each
+  example's halting iteration; the fixed depth is evaluated."""
+  config.eval.extrapolation_depth = 3
+  config.eval.halting.update(eps_grid=(1e-3, 0.5), tau_grid=(0.3, 3.0))
+  from loopjax import task as task_lib
+
+  task, model, _ = restore.from_checkpoint(config, whole)
+  family = task_lib.for_config(config)
+  ev = family.evaluator(config, task, model.graphdef)
+  flat, results = ev.run_all(model.params)
+  assert 3 in ev.depths and "eval/test_k5/acc@3" in flat
+  _, per_example = ev.per_depth(model.params)
+  _, correct_RN, kl_RN, entropy_RN = per_example["test_k5"]
+  h = results["test_k5"]["halt"]
+  iters_N = depth.halt_at(kl_RN, entropy_RN, h["eps"], h["tau"], 2, 6)
+  assert correct_RN.shape[0] == 6  # to eval.halting.r_max
+  assert flat["eval/test_k5/acc@halt"] == pytest.approx(
+    correct_RN[iters_N - 1, np.arange(len(iters_N))].mean()
+  )
+  assert flat["eval/test_k5/iters@halt"] == pytest.approx(iters_N.mean())
+  assert h["tuned_on"] == []  # the tiny config holds no validation chains

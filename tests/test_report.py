@@ -127,8 +127,9 @@ def test_chains_runs_plot_held_out_hops_and_curriculum_stages(tmp_path):
 
 def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
   """A run followed by `--mode=eval --follow` (training evaluated at R only):
-  the chains K + 1..K + 4 hops deep get a curve per depth and a table of the
-  best depth per step, with the curriculum stage at each step."""
+  the chains K + 1..K + 4 hops deep get a curve per depth and a table, per
+  step, of the curriculum stage and each k at the fixed depth, by the
+  halting rule and at the best depth (the oracle), also as a JSON record."""
   from experiments import extrapolation
   from loopjax import config as config_lib
 
@@ -147,6 +148,9 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
       k5 = {"eval/test_k5/acc": acc[4]} | {
         f"eval/test_k5/acc@{d}": acc[d] for d in (6, 8)
       }
+      if step == 2000:  # the halting rule: from here on
+        k5 |= {"eval/test_k5/acc@halt": 0.65, "eval/test_k5/iters@halt": 5.5}
+        k5 |= {"eval/halting/eps": 0.01, "eval/halting/tau": 0.3}
       f.write(json.dumps({"step": step, "eval/train_k4/acc": 1.0} | k5) + "\n")
   found = beyond.curves(beyond.depth_records(run), c)
   assert list(found) == [5]  # K = 4; k = 6..8: not evaluated here
@@ -157,12 +161,25 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
   }
   paths = report.report(run)
   assert run / "plots/depths.png" in paths
-  table = (run / "plots/depths.md").read_text().splitlines()[4:]
-  # best depth per step (a tie: the fewer iterations); stage 3 from 500, 4 from 1500
-  assert table == [
-    "| 1000 | 3 | 0.400 (R = 6) |",
-    "| 2000 | 4 | 0.700 (R = 8) |",
+  md = (run / "plots/depths.md").read_text().splitlines()
+  assert "R = 4 iterations set before training" in md[0]  # 0: model.num_loops
+  assert "KL < 0.01 and entropy < 0.3" in md[0]
+  assert md[2] == "| step | stage | K + 1 fixed | K + 1 halt | K + 1 oracle |"
+  # fixed R = 4; the oracle's best depth (a tie: the fewer iterations); stage
+  # 3 from 500, 4 from 1500
+  assert md[4:] == [
+    "| 1000 | 3 | 0.100 | - | 0.400 (R = 6) |",
+    "| 2000 | 4 | 0.200 | 0.650 (5.5) | 0.700 (R = 8) |",
   ]
+  record = json.loads((run / "plots/depths.json").read_text())
+  assert record["fixed_depth"] == 4 and record["train_hops"] == 4
+  assert record["rows"][1]["k"]["5"] == {
+    "fixed": 0.2,
+    "halt": 0.65,
+    "iters": 5.5,
+    "oracle": 0.7,
+    "oracle_R": 8,
+  }
 
 
 def test_runs_without_depths_get_no_depth_figure(tmp_path):

@@ -35,7 +35,8 @@ def split_names(task: str, params: dict) -> tuple[str, ...]:
   if task == "composition":
     return SPLITS
   ks = range(2, params["max_hops"] + 1)
-  return ("atomic", *(f"{s}_k{k}" for k in ks for s in ("train", "test")))
+  kinds = ("train", "test", "val") if params.get("val_per_hop") else ("train", "test")
+  return ("atomic", *(f"{s}_k{k}" for k in ks for s in kinds))
 
 
 def column_shapes(task: str, params: dict) -> dict[str, tuple[int, ...]]:
@@ -69,9 +70,9 @@ Split = dict[str, np.ndarray]
 
 
 def hop_count(split_name: str) -> int | None:
-  """k of a chains split named `train_k<k>` / `test_k<k>`, else None."""
+  """k of a chains split named `train_k<k>` / `test_k<k>` / `val_k<k>`, else None."""
   head, sep, k = split_name.rpartition("_k")
-  return int(k) if sep and head in ("train", "test") and k.isdigit() else None
+  return int(k) if sep and head in ("train", "test", "val") and k.isdigit() else None
 
 
 def sample(split: Split, n: int, seed: int) -> Split:
@@ -131,9 +132,11 @@ def train_split(data: TaskData, max_hops: int) -> Split:
 
 def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Split]:
   """The splits evaluations report, none empty. Composition: every split but
-  `train`. Chains: every `test_k<k>`, plus samples of `size` (fixed, the first
-  after a seeded shuffle) from the atomic facts and from each `train_k<k>` with
-  k <= train_hops (memorization)."""
+  `train`. Chains: every `test_k<k>`; each `val_k<k>` with k <= train_hops
+  (what halting thresholds are tuned on: trained depths only, never the test
+  chains); samples of `size` (fixed, the first after a seeded shuffle) from
+  the atomic facts and from each `train_k<k>` with k <= train_hops
+  (memorization)."""
   if data.task == "composition":
     names = [n for n in data.splits if n != "train"]
     return {n: data.splits[n] for n in names if len(data.splits[n]["target"])}
@@ -142,6 +145,9 @@ def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Spli
     k = hop_count(name) or 1  # the atomic facts: 1 hop
     if name.startswith("test_"):
       out[name] = split
+    elif name.startswith("val_"):
+      if k <= train_hops:
+        out[name] = split
     elif k <= train_hops:
       out[name] = sample(split, size, seed=k)
   return {n: s for n, s in out.items() if len(s["target"])}
@@ -283,6 +289,7 @@ def chains(
   train_per_hop: int,
   test_per_hop: int,
   seed: int,
+  val_per_hop: int = 0,
 ) -> TaskData:
   """k-hop chains (LTG's depth extrapolation) as int arrays, the same for the same
   arguments.
@@ -290,9 +297,12 @@ def chains(
   Every relation is a random permutation of the entities, so each hop is a
   bijection and every (h, r1..rk) has exactly one answer. Splits: "atomic" (all
   E x R facts, in training) and, per k = 2..max_hops, unique chains split into
-  "train_k<k>" and "test_k<k>" (disjoint). "inputs" (N, max_hops + 1): [h, r1..rk,
-  pad...], the answer read at the last real token (position k); "bridges"
-  (N, max_hops - 1): the intermediate entities b_1..b_{k-1}, -1 after them.
+  "train_k<k>" and "test_k<k>" and, with `val_per_hop`, "val_k<k>" (all
+  three disjoint; the validation chains drawn after the others from their own
+  stream, so adding them leaves train and test as they were). "inputs"
+  (N, max_hops + 1): [h, r1..rk, pad...], the answer read at the last real
+  token (position k); "bridges" (N, max_hops - 1): the intermediate entities
+  b_1..b_{k-1}, -1 after them.
   """
   E, R, K = num_entities, num_relations, max_hops
   vocab = Vocab(E, R)
@@ -300,32 +310,42 @@ def chains(
   tail_RE = np.argsort(rng.random((R, E)), axis=1)  # tail_RE[r, h]: r(h)
   h_A, r_A = np.divmod(np.arange(E * R), R)
   splits = {"atomic": _chain_examples(h_A, r_A[:, None], tail_RE, K, vocab)}
+  val_rng = np.random.default_rng([seed, 1])  # its own stream: train, test as ever
   for k in range(2, K + 1):
     n = train_per_hop + test_per_hop
-    if n > E * R**k:  # Python ints: no overflow for long chains
+    if n + val_per_hop > E * R**k:  # Python ints: no overflow for long chains
       raise ConfigError(
         f"data.train_per_hop: {k}-hop chains number {E * R**k}; "
-        f"{n} train + test asked for"
+        f"{n} train + test"
+        + (f" + {val_per_hop} val" if val_per_hop else "")
+        + " asked for"
       )
-    h_N, rels_NK = _unique_walks(rng, E, R, k, n)
-    ex = _chain_examples(h_N, rels_NK, tail_RE, K, vocab)
+    walks = _unique_walks(rng, E, R, k, n)
+    ex = _chain_examples(walks[:, 0], walks[:, 1:], tail_RE, K, vocab)
     splits[f"train_k{k}"] = {name: a[:train_per_hop] for name, a in ex.items()}
     splits[f"test_k{k}"] = {name: a[train_per_hop:] for name, a in ex.items()}
+    if val_per_hop:
+      val_walks = _unique_walks(val_rng, E, R, k, val_per_hop, taken=walks)
+      splits[f"val_k{k}"] = _chain_examples(
+        val_walks[:, 0], val_walks[:, 1:], tail_RE, K, vocab
+      )
   return TaskData(vocab, splits, "chains")
 
 
-def _unique_walks(rng, E: int, R: int, k: int, n: int):
-  """n distinct (h, r1..rk), uniformly at random, as (h_N, rels_Nk)."""
-  rows = np.zeros((0, k + 1), np.int64)
-  while len(rows) < n:
-    m = 2 * (n - len(rows)) + 16
+def _unique_walks(rng, E: int, R: int, k: int, n: int, taken=None):
+  """n distinct (h, r1..rk), uniformly at random and none of `taken`'s rows,
+  as rows (n, k + 1)."""
+  rows = np.zeros((0, k + 1), np.int64) if taken is None else taken.astype(np.int64)
+  first_new, want = len(rows), len(rows) + n
+  while len(rows) < want:
+    m = 2 * (want - len(rows)) + 16
     more = np.concatenate(
       [rng.integers(0, E, (m, 1)), rng.integers(0, R, (m, k))], axis=1
     )
     rows = np.concatenate([rows, more])
     _, first = np.unique(rows, axis=0, return_index=True)
     rows = rows[np.sort(first)]  # first occurrences in draw order: deterministic
-  return rows[:n, 0], rows[:n, 1:]
+  return rows[first_new:want]
 
 
 def _chain_examples(h_N, rels_Nk, tail_RE, K: int, vocab: Vocab) -> Split:

@@ -61,10 +61,11 @@ TASKS = {
       "max_hops": int,
       "train_per_hop": int,
       "test_per_hop": int,
+      "val_per_hop": int,
       "seed": int,
     },
     "e{num_entities}_r{num_relations}_k{max_hops}_n{train_per_hop}"
-    "_t{test_per_hop}_s{seed}",
+    "_t{test_per_hop}_v{val_per_hop}_s{seed}",
   ),
 }
 

@@ -1,28 +1,33 @@
 """A depth-extrapolation run's held-out chains deeper than trained, against
-step and inference depth: `plots/depths.png` and `plots/depths.md`.
+step and inference depth: `plots/depths.png`, `plots/depths.md` and the
+record they are drawn from, `plots/depths.json`.
 
 LTG's claim is that a model trained on chains of up to K hops answers K + 1
 to K + 4 given more iterations; a single accuracy at the training depth hides
 it (K + 3 is at chance at R = 8 and at 0.5 from R = 10 in the `long` runs).
-The curves come from evaluations at every `eval.depths`: those of the
-evaluation job that follows training (`--mode=eval --follow`), or the
-training loop's if they hold depths.
+Each k is reported three ways (kg/depth.py): at the depth fixed before
+training, where LTG's halting rule stops, and at the best evaluated depth (an
+oracle, chosen on the test chains). The curves come from the evaluation job
+that follows training (`--mode=eval --follow`: every `eval.depths`), or
+else the training loop's evaluations.
 """
+
+import json
 
 from etils import epath
 
 from loopjax import metrics, storage
 from loopjax.analysis.plots import markdown, plt, save
-from loopjax.kg import curriculum
+from loopjax.kg import curriculum, depth
 from loopjax.workdir import run_config
 
 BEYOND = 4  # held-out chains to K + 4 hops, the range of LTG's claim
 
 
 def depth_records(workdir: epath.Path) -> list[dict]:
-  """The run's evaluations that hold several depths: the training loop's, or
-  else the evaluation job's; [] if none."""
-  for where in (workdir, workdir / "eval"):
+  """The run's evaluations that hold several depths or the halting rule: the
+  evaluation job's, or else the training loop's; [] if none."""
+  for where in (workdir / "eval", workdir):
     if found := [r for r in metrics.read(where) if any("/acc@" in k for k in r)]:
       return found
   return []
@@ -36,9 +41,9 @@ def curves(records: list[dict], config) -> dict:
   for k in range(K + 1, K + BEYOND + 1):
     key = f"eval/test_k{k}/acc"
     at = {R: key} | {
-      int(name.rpartition("@")[2]): name
+      int(d): name
       for name in records[-1]
-      if name.startswith(key + "@")
+      if name.startswith(key + "@") and (d := name.rpartition("@")[2]).isdigit()
     }
     by_depth = {
       d: {r["step"]: r[at[d]] for r in records if at[d] in r} for d in sorted(at)
@@ -48,28 +53,77 @@ def curves(records: list[dict], config) -> dict:
   return out
 
 
+def rows(records: list[dict], config, found: dict, phases: dict) -> list[dict]:
+  """Per evaluated step: the stage and, per k, the accuracy at the fixed
+  depth, by the halting rule (and its mean iterations), and the oracle's best
+  over the evaluated depths (and its R; ties: the fewest iterations)."""
+  fixed, halted = depth.fixed_depth(config), {r["step"]: r for r in records}
+  out = []
+  for step in sorted({s for d in found.values() for acc in d.values() for s in acc}):
+    row = {"step": step, "stage": curriculum.stage_at(config, phases, step), "k": {}}
+    for k, by_depth in found.items():
+      at = [(acc[step], -d) for d, acc in by_depth.items() if step in acc]
+      best, d = max(at, default=(None, 0))
+      key = f"eval/test_k{k}/"
+      row["k"][k] = {
+        "fixed": by_depth.get(fixed, {}).get(step),
+        "halt": halted[step].get(key + "acc@halt"),
+        "iters": halted[step].get(key + "iters@halt"),
+        "oracle": best,
+        "oracle_R": -d if best is not None else None,
+      }
+    out.append(row)
+  return out
+
+
 def write(workdir: epath.Path, phases: dict) -> list[epath.Path]:
-  """`plots/depths.png` and `plots/depths.md` for a chains run evaluated at
-  several depths; nothing else."""
+  """`plots/depths.{png,md,json}` for a chains run evaluated beyond its
+  trained hops; nothing else."""
   records = depth_records(workdir)
   if not records:
     return []
   config = run_config(workdir)
   if not (found := curves(records, config)):
     return []
-  K = config.data.train_hops
-  png = _figure(workdir / "plots" / "depths.png", K, found, phases)
+  K, fixed = config.data.train_hops, depth.fixed_depth(config)
+  table = rows(records, config, found, phases)
+  png = _figure(workdir / "plots" / "depths.png", K, found, table, phases)
+  record = png.with_suffix(".json")
+  head = {"train_hops": K, "fixed_depth": fixed, "halting": _thresholds(records)}
+  storage.write_whole(record, json.dumps(head | {"rows": table}, indent=1))
   md = png.with_suffix(".md")
-  storage.write_whole(
-    md,
-    f"Held-out accuracy beyond the trained {K} hops, at the best evaluated "
-    "depth R (figure: depths.png).\n\n" + _table(config, found, phases),
+  storage.write_whole(md, _intro(K, fixed, records) + _table(K, table))
+  return [png, md, record]
+
+
+def _thresholds(records: list[dict]) -> dict:
+  """The halting rule's thresholds at each evaluated step (tuned per step)."""
+  return {
+    r["step"]: {t: r[f"eval/halting/{t}"] for t in ("eps", "tau")}
+    for r in records
+    if "eval/halting/eps" in r
+  }
+
+
+def _intro(K: int, fixed: int, records: list[dict]) -> str:
+  last = _thresholds(records)
+  rule = "no halting recorded"
+  if last:
+    t = last[max(last)]
+    rule = f"KL < {t['eps']:g} and entropy < {t['tau']:g} at the last evaluation"
+  return (
+    f"Held-out accuracy beyond the trained {K} hops (figure: depths.png; "
+    f"record: depths.json), three ways: **fixed**, at R = {fixed} iterations "
+    "set before training; **halt**, LTG's KL + entropy rule stopping each "
+    f"chain on its own ({rule}; mean iterations in brackets); **oracle**, "
+    "the best evaluated R, chosen on these test chains: an upper bound, not "
+    "a result.\n\n"
   )
-  return [png, md]
 
 
-def _figure(path: epath.Path, K: int, found: dict, phases: dict) -> epath.Path:
-  """One panel per k, a line per depth, the curriculum's stages marked."""
+def _figure(path, K: int, found: dict, table: list[dict], phases: dict):
+  """One panel per k, a line per depth and one for the halting rule, the
+  curriculum's stages marked."""
   fig, axes = plt.subplots(
     1, len(found), figsize=(4.2 * len(found), 3.8), sharey=True, squeeze=False
   )
@@ -77,10 +131,13 @@ def _figure(path: epath.Path, K: int, found: dict, phases: dict) -> epath.Path:
     colors = plt.cm.viridis(
       [i / max(1, len(by_depth) - 1) for i in range(len(by_depth))]
     )
-    for color, (depth, acc) in zip(colors, by_depth.items(), strict=True):
-      ax.plot(
-        list(acc), list(acc.values()), "o-", ms=3, color=color, label=f"R = {depth}"
-      )
+    for color, (d, acc) in zip(colors, by_depth.items(), strict=True):
+      ax.plot(list(acc), list(acc.values()), "o-", ms=3, color=color, label=f"R = {d}")
+    halt = [
+      (r["step"], r["k"][k]["halt"]) for r in table if r["k"][k]["halt"] is not None
+    ]
+    if halt:
+      ax.plot(*zip(*halt, strict=True), "k--", lw=1.5, label="halting")
     for phase, step in phases.items():
       ax.axvline(step, color="gray", ls=":", lw=1)
       ax.text(step, 1.02, phase, rotation=90, va="bottom", ha="center", fontsize=7)
@@ -92,15 +149,22 @@ def _figure(path: epath.Path, K: int, found: dict, phases: dict) -> epath.Path:
   return save(fig, path)
 
 
-def _table(config, found: dict, phases: dict) -> str:
-  """Per evaluated step: the stage, and each k's best accuracy and its R."""
-  K, rows = config.data.train_hops, []
-  for step in sorted({s for d in found.values() for acc in d.values() for s in acc}):
-    cells = [str(step), str(curriculum.stage_at(config, phases, step))]
-    for by_depth in found.values():
-      at = [(acc[step], -d) for d, acc in by_depth.items() if step in acc]
-      best, d = max(at, default=(None, 0))  # ties: the fewest iterations
-      cells.append("-" if best is None else f"{best:.3f} (R = {-d})")
-    rows.append(cells)
-  head = ["step", "stage", *(f"k = {k} (K + {k - K}): best" for k in found)]
-  return markdown(head, rows)
+def _table(K: int, table: list[dict]) -> str:
+  """Per evaluated step: the stage, and per k fixed | halt (iters) | oracle (R)."""
+
+  def cell(value, note=None, fmt="{:.3f}"):
+    if value is None:
+      return "-"
+    return fmt.format(value) + (f" ({note})" if note is not None else "")
+
+  head, body = ["step", "stage"], []
+  for k in table[0]["k"] if table else ():
+    head += [f"K + {k - K} fixed", f"K + {k - K} halt", f"K + {k - K} oracle"]
+  for r in table:
+    cells = [str(r["step"]), str(r["stage"])]
+    for c in r["k"].values():
+      iters = None if c["iters"] is None else f"{c['iters']:.1f}"
+      oracle_R = None if c["oracle_R"] is None else f"R = {c['oracle_R']}"
+      cells += [cell(c["fixed"]), cell(c["halt"], iters), cell(c["oracle"], oracle_R)]
+    body.append(cells)
+  return markdown(head, body)

@@ -4,6 +4,7 @@ names). JAX-free (no data library either), so a bad value fails in a
 fraction of a second.
 """
 
+from loopjax import field_rules
 from loopjax.analysis.registry import Entry, shared
 from loopjax.errors import ConfigError
 from loopjax.task import Spec
@@ -72,8 +73,8 @@ def chains(c) -> None:
     raise ConfigError(
       f"data.train_hops: must be in [2, data.max_hops={d.max_hops}]; got {d.train_hops}"
     )
-  rows = (d.max_hops - 1) * (d.train_per_hop + d.test_per_hop)
-  fields = "data.max_hops, data.train_per_hop, data.test_per_hop"
+  rows = (d.max_hops - 1) * (d.train_per_hop + d.test_per_hop + d.val_per_hop)
+  fields = "data.max_hops, data.train_per_hop, data.test_per_hop, data.val_per_hop"
   _generated(c, fields, "padded tokens", rows * (d.max_hops + 1))
   if d.pad_to and d.pad_to < d.max_hops + 2:
     raise ConfigError(
@@ -82,12 +83,10 @@ def chains(c) -> None:
       f"got {d.pad_to}"
     )
   _random_positions(c, max(d.max_hops + 1, d.pad_to))
-  if d.train_per_hop < 1 or d.test_per_hop < 0:
-    field = "train_per_hop" if d.train_per_hop < 1 else "test_per_hop"
-    raise ConfigError(
-      f"data.{field}: must be >= {1 if field == 'train_per_hop' else 0}; "
-      f"got {d[field]!r}"
-    )
+  for field, least in (("train_per_hop", 1), ("test_per_hop", 0), ("val_per_hop", 0)):
+    if d[field] < least:
+      raise ConfigError(f"data.{field}: must be >= {least}; got {d[field]!r}")
+  _extrapolation(c)
   if not cur.enabled:
     return
   if not 2 <= cur.start <= d.train_hops:
@@ -117,6 +116,29 @@ def chains(c) -> None:
     raise ConfigError(
       "eval_every: must be >= 1 with a curriculum (it advances at evaluations); got 0"
     )
+
+
+def _extrapolation(c) -> None:
+  """eval.extrapolation_depth and eval.halting (kg/depth.py)."""
+  e, h = c.eval, c.eval.halting
+  top = field_rules.MAX_ITERATIONS
+  if not 0 <= e.extrapolation_depth <= top:
+    raise ConfigError(
+      f"eval.extrapolation_depth: must be in [0, {top}] (0: model.num_loops); "
+      f"got {e.extrapolation_depth!r}"
+    )
+  if not 2 <= h.r_min <= h.r_max <= top:
+    raise ConfigError(
+      f"eval.halting: must have 2 <= r_min <= r_max <= {top} (iteration t is "
+      f"compared with t - 1); got r_min={h.r_min!r}, r_max={h.r_max!r}"
+    )
+  for name in ("eps", "tau"):
+    grid = h[f"{name}_grid"]
+    if not isinstance(grid, tuple | list) or not all(v > 0 for v in (h[name], *grid)):
+      raise ConfigError(
+        f"eval.halting.{name}, eval.halting.{name}_grid: positive numbers (a "
+        f"tuple for the grid); got {h[name]!r}, {grid!r}"
+      )
 
 
 # Analyses (kg/analyze.py): the probe splits' own passes, then one traced pass

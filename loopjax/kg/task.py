@@ -5,7 +5,7 @@ import numpy as np
 
 from loopjax import data, loss
 from loopjax.data import kg
-from loopjax.kg import curriculum, evaluate, grokking
+from loopjax.kg import curriculum, depth, evaluate, grokking
 from loopjax.task import Family
 
 
@@ -24,8 +24,11 @@ class _KnowledgeGraph(Family):
     return evaluate.Evaluator(graphdef, config, task, depths, mesh, shardings)
 
   def eval_step(self, config, graphdef, mesh=None, shardings=None):
-    deepest = max(self.eval_depths(config) + [config.model.num_loops])
-    return evaluate.eval_step(config, graphdef, deepest, mesh, shardings)
+    return evaluate.eval_step(config, graphdef, self.deepest(config), mesh, shardings)
+
+  def deepest(self, config) -> int:
+    """The most iterations an evaluation runs."""
+    return max(self.eval_depths(config) + [config.model.num_loops])
 
   def eval_table(self, config, report: dict):
     rows = [(name, res["acc"]) for name, res in report["splits"].items()]
@@ -109,3 +112,32 @@ class Chains(_KnowledgeGraph):
 
   def finished(self, config, phases: dict) -> str | None:
     return f"curriculum: {curriculum.stages_summary(phases, config)}"
+
+  def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
+    """Also at the depth fixed before training and where halting stops
+    (kg/depth.py): how chains deeper than trained are answered."""
+    depths = {*depths, depth.fixed_depth(config)}
+    return evaluate.Evaluator(
+      graphdef, config, task, depths, mesh, shardings, config.eval.halting
+    )
+
+  def eval_depths(self, config) -> list[int]:
+    return sorted({*super().eval_depths(config), depth.fixed_depth(config)})
+
+  def eval_table(self, config, report: dict):
+    """The accuracy per depth, then the halting rule's ("halt")."""
+    title, depths, rows = super().eval_table(config, report)
+    halt = {n: r["halt"] for n, r in report["splits"].items() if "halt" in r}
+    if not halt:
+      return title, depths, rows
+    h = next(iter(halt.values()))
+    where = f"tuned on {', '.join(h['tuned_on'])}" if h["tuned_on"] else "config"
+    title += (
+      f"\n(fixed before training: R = {depth.fixed_depth(config)}; halt: KL < "
+      f"{h['eps']:g} and entropy < {h['tau']:g}, {where})"
+    )
+    rows = [(name, acc | {"halt": halt[name]["acc"]}) for name, acc in rows]
+    return title, [*depths, "halt"], rows
+
+  def deepest(self, config) -> int:
+    return max(super().deepest(config), config.eval.halting.r_max)
