@@ -3,7 +3,9 @@
 Layout: `workdir/checkpoints/<step>/{state,data,meta}`; which steps are kept
 is the workdir's rule (`Workdir.checkpoints`). Saves are async. `meta` holds a
 checksum of every saved array, computed on device before the write and checked
-after a restore.
+after a restore. Training restores the whole state; evaluation and every
+other reader the params alone (`restore(partial=True)`): the optimizer's
+moments and a grad filter's state are never read.
 Restore walks back from the newest step until one restores and verifies; a step
 that does not is set aside by a record, `workdir/checkpoints_damaged.json`
 ({step: why}), not moved (a move on a bucket is a copy per object): readers
@@ -136,11 +138,14 @@ def restore(
   data_iter=None,
   step: int | None = None,
   quarantine: bool = True,
+  partial: bool = False,
 ):
   """Restores `step` (default: the newest good one) -> (state, step).
 
   `abstract_state` gives the tree structure, shapes and dtypes; the data
-  iterator, if given, is moved to its saved position. Returns (None, None)
+  iterator, if given, is moved to its saved position. `partial`: the state
+  is some of the saved state's top-level entries (evaluation's {"params":
+  ...}), and only their arrays are read (`_restore_part`). Returns (None, None)
   when there is no checkpoint. A checkpoint that fails to restore or to verify
   raises if `step` was asked for. Otherwise older ones are tried, and the bad
   newer ones are set aside (`DAMAGED`) once an older one restores; steps
@@ -158,16 +163,21 @@ def restore(
       continue  # deleted since the list was read (a trainer's keep policy)
     # Checkpoints written before checksums existed restore unverified.
     has_meta = (directory / str(s) / "meta").is_dir()
-    items = {
-      "state": ocp.args.StandardRestore(abstract_state),
-      "data": ocp.args.JsonRestore(),
-    } | ({"meta": ocp.args.JsonRestore()} if has_meta else {})
+    items = {} if partial else {"state": ocp.args.StandardRestore(abstract_state)}
+    items |= {"data": ocp.args.JsonRestore()} if data_iter is not None else {}
+    items |= {"meta": ocp.args.JsonRestore()} if has_meta else {}
     try:
-      out = mngr.restore(s, args=ocp.args.Composite(**items))
+      out = mngr.restore(s, args=ocp.args.Composite(**items)) if items else {}
+      sums = out["meta"]["checksums"] if has_meta else None
+      if partial:
+        state = _restore_part(directory / str(s) / "state", abstract_state)
+        _check_part(state, sums, s)
+      else:
+        state = out["state"]
       if has_meta:
-        verify(out.state, out.meta["checksums"], s)
+        verify(state, sums, s)
       if data_iter is not None:
-        data_iter.set_state(out.data)
+        data_iter.set_state(out["data"])
     except Exception as e:  # noqa: BLE001 - any unreadable checkpoint: try older
       if step is not None:
         raise
@@ -182,13 +192,50 @@ def restore(
         _set_aside(mngr, bad, why)
       else:
         print(f"checkpoint {bad} is damaged ({why}); left in place")
-    return out.state, s
+    return state, s
   if failed:
     raise NoGoodCheckpoint(
       f"no checkpoint in {mngr.directory} restores (newest, step {failed[0][0]}: "
       f"{failed[0][1]}); nothing was changed. Move them away to start afresh"
     )
   return None, None
+
+
+def _restore_part(directory: epath.Path, abstract_part):
+  """orbax's partial restore of the saved tree in `directory`: the arrays of
+  `abstract_part` alone are read, each into its sharding; the rest (the
+  optimizer's moments, a Grokfast window: 3x to 100x the params) is never
+  read or held. Its own checkpointer: a manager that saved the state has
+  bound the item to a handler without partial restores."""
+  args = ocp.args.PyTreeRestore(
+    item=abstract_part,
+    restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_part),
+    partial_restore=True,
+  )
+  reader = ocp.PyTreeCheckpointer()
+  try:
+    return reader.restore(directory, args=args)
+  finally:
+    reader.close()
+
+
+def _check_part(part, checksums: dict[str, int] | None, step: int) -> None:
+  """A part restored (`_restore_part`) holds exactly the saved arrays under its
+  top-level entries. orbax returns a leaf the checkpoint lacks as the
+  abstract one given and passes over saved leaves not asked for: either is
+  another model than the one saved (ValueError, as a full restore's)."""
+  mine = {jax.tree_util.keystr(k) for k, _ in jax.tree.leaves_with_path(part)}
+  absent = sorted(
+    jax.tree_util.keystr(k)
+    for k, x in jax.tree.leaves_with_path(part)
+    if not isinstance(x, jax.Array)
+  )
+  heads = tuple(f"[{k!r}]" for k in part)
+  extra = sorted(k for k in checksums or () if k.startswith(heads) and k not in mine)
+  why = [f"has no {', '.join(absent[:4])}"] if absent else []
+  why += [f"holds {', '.join(extra[:4])}, which this model lacks"] if extra else []
+  if why:
+    raise ValueError(f"checkpoint {step} {'; '.join(why)} (another model's?)")
 
 
 def _unreachable(e: BaseException) -> bool:
