@@ -307,6 +307,7 @@ def test_halting_thresholds_are_tuned_on_validation_chains_only(config):
   assert depth.thresholds({"test_k5": split(3)}, h)[:2] == (h.eps, h.tau)
 
 
+@pytest.mark.slow  # the `whole` run (~50 s here); the unit tests above: default
 def test_evaluation_reports_fixed_depth_and_halting(config, whole):
   """The evaluator's halting accuracy is the per-iteration accuracy at each
   example's halting iteration; the fixed depth is evaluated."""
