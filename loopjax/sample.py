@@ -17,7 +17,13 @@ from loopjax.workdir import Workdir
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("prompt", "", "The text to continue.")
-flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate.", lower_bound=1)
+flags.DEFINE_integer(
+  "max_new_tokens",
+  None,
+  "Tokens to generate (default: up to 128, as many as the model's positions "
+  "leave after the prompt).",
+  lower_bound=1,
+)
 flags.DEFINE_float("temperature", 0.8, "0 is greedy.", lower_bound=0.0)
 flags.DEFINE_integer(
   "top_k", 40, "Sample among the k likeliest (0: all).", lower_bound=0

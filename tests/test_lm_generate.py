@@ -128,3 +128,16 @@ def test_a_bounded_cache_keeps_iteration_r_in_slot_r_mod_m():
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
   with pytest.raises(ValueError, match="cache_slots"):
     generate(mod, PROMPTS, 2, num_loops=4, cache_slots=5)
+
+
+def test_the_default_new_tokens_fit_the_models_positions():
+  """A 128-position learned-position model given a 2-token prompt: 127 new
+  tokens, not 128 (the last is never fed back); RoPE reaches 4x its context."""
+  from loopjax.lm import sample
+
+  assert sample.default_new_tokens(2, 128, "learned") == 127
+  assert sample.default_new_tokens(2, 128, "rope") == 128
+  assert sample.default_new_tokens(200, 128, "learned") == 1  # then refused
+  for prompt in (1, 2, 64, 128):
+    new = sample.default_new_tokens(prompt, 128, "learned")
+    sample._check_length(prompt, new, 128, "learned")  # never refused

@@ -10,9 +10,18 @@ from loopjax.lm.generate import generate
 
 
 def sample(
-  config, workdir, prompt: str, *, max_new_tokens: int, step=None, num_loops=None, **kw
+  config,
+  workdir,
+  prompt: str,
+  *,
+  max_new_tokens: int | None = None,
+  step=None,
+  num_loops=None,
+  **kw,
 ) -> str:
-  """`prompt` continued at `num_loops` recurrences (default: model.num_loops)
+  """`prompt` continued by `max_new_tokens` (None: up to DEFAULT_NEW_TOKENS,
+  as many as the model's positions leave after the prompt) at `num_loops`
+  recurrences (default: model.num_loops)
   by the run's checkpoint at `step` (default: the newest) or the pretrained
   model; the prompt is read from a document's start (`restore.Text`). The
   model is on the run's mesh (all processes' devices), its batch split there."""
@@ -24,7 +33,10 @@ def sample(
       "--prompt: encodes to no token, and the model puts none before a text: "
       "nothing to continue"
     )
-  _check_length(len(ids), max_new_tokens, text.max_length, opened.cfg.pos_encoding)
+  pos = opened.cfg.pos_encoding
+  if max_new_tokens is None:  # a default that fits the model it is given
+    max_new_tokens = default_new_tokens(len(ids), text.max_length, pos)
+  _check_length(len(ids), max_new_tokens, text.max_length, pos)
   model = opened.model(step)
   out = generate(
     model,
@@ -43,13 +55,29 @@ def sample(
 # many times it: beyond, a sample is both far outside what the model learned
 # and a long wait (one call per token, the cache growing with each).
 RELATIVE_REACH = 4
+DEFAULT_NEW_TOKENS = 128
+
+
+def _reach(trained: int, pos_encoding: str) -> int:
+  """The positions a model has: its table's (learned, sinusoidal), else
+  RELATIVE_REACH times its context."""
+  absolute = pos_encoding in ("learned", "sinusoidal")
+  return trained if absolute else RELATIVE_REACH * trained
+
+
+def default_new_tokens(prompt: int, trained: int, pos_encoding: str) -> int:
+  """Up to DEFAULT_NEW_TOKENS, as many as the positions leave after `prompt`
+  (at least 1: a prompt that fills them is refused by `_check_length`)."""
+  return max(1, min(DEFAULT_NEW_TOKENS, _reach(trained, pos_encoding) - prompt + 1))
 
 
 def _check_length(prompt: int, new: int, trained: int, pos_encoding: str) -> None:
   """Refuses a prompt and new tokens past the positions the model has: its
   table (learned, sinusoidal), else RELATIVE_REACH times its context."""
-  absolute = pos_encoding in ("learned", "sinusoidal")
-  limit = trained if absolute else RELATIVE_REACH * trained
+  absolute, limit = (
+    pos_encoding in ("learned", "sinusoidal"),
+    _reach(trained, pos_encoding),
+  )
   if prompt + new - 1 > limit:  # the last new token is never fed back
     has = (
       f"the {trained} positions of a {pos_encoding}-position model"
