@@ -8,6 +8,7 @@ from etils import epath
 
 from loopjax import report, storage
 from loopjax.kg import beyond
+from loopjax.kg.report import SPLITS
 
 
 def fake_run(workdir, ood_final):
@@ -18,7 +19,7 @@ def fake_run(workdir, ood_final):
     for step in (100, 1000, 10000):
       train = {"train/loss": 1.0, "train/acc": 0.5}
       f.write(json.dumps({"step": step, "time": step / 100} | train) + "\n")
-      acc = {s: min(1.0, step / 1000) for s in report.SPLITS}
+      acc = {s: min(1.0, step / 1000) for s in SPLITS}
       acc["test_inferred_ood"] = ood_final * step / 10000
       f.write(
         json.dumps({"step": step} | {f"eval/{s}/acc": a for s, a in acc.items()}) + "\n"
@@ -167,10 +168,11 @@ def test_chains_beyond_training_by_depth_from_the_evaluation_job(tmp_path):
   assert md[2] == "| step | stage | K + 1 fixed | K + 1 halt | K + 1 oracle |"
   # fixed R = 4; the oracle's best depth (a tie: the fewer iterations); stage
   # 3 from 500, 4 from 1500
-  assert md[4:] == [
+  assert md[4:6] == [
     "| 1000 | 3 | 0.100 | - | 0.400 (R = 6) |",
     "| 2000 | 4 | 0.200 | 0.650 (5.5) | 0.700 (R = 8) |",
   ]
+  assert "| K + 1 | halt | 2000 | 0 of 0 | 1 | 0.650 (step 2000) |" in md
   record = json.loads((run / "plots/depths.json").read_text())
   assert record["fixed_depth"] == 4 and record["train_hops"] == 4
   assert record["rows"][1]["k"]["5"] == {
@@ -186,3 +188,21 @@ def test_runs_without_depths_get_no_depth_figure(tmp_path):
   fake_chains_run(tmp_path / "a")  # in-loop evaluations at R only
   assert beyond.depth_records(tmp_path / "a") == []
   assert tmp_path / "a/plots/depths.png" not in report.report(tmp_path / "a")
+
+
+def test_held_says_when_the_claim_first_holds_and_whether_it_stays():
+  """The per-k summary of plots/depths: first step >= 0.5, how many later
+  evaluations stay there, the longest streak, the last value; per way."""
+
+  def row(step, fixed, halt):
+    return {"step": step, "k": {8: {"fixed": fixed, "halt": halt, "oracle": 0.9}}}
+
+  table = [row(2, 0.1, None), row(4, 0.6, 0.2), row(6, 0.4, 0.3), row(8, 0.5, 0.3)]
+  table += [row(10, 0.7, 0.4)]
+  h = beyond.held(table)[8]
+  assert h["fixed"] == {"first": 4, "after": [2, 3], "streak": 2, "last": (10, 0.7)}
+  assert h["halt"] == {"first": None, "after": [0, 0], "streak": 0, "last": (10, 0.4)}
+  assert h["oracle"]["first"] == 2 and h["oracle"]["streak"] == 5
+  assert "| K + 2 | fixed | 4 | 2 of 3 | 2 | 0.700 (step 10) |" in beyond._held_table(
+    6, beyond.held(table)
+  )
