@@ -4,7 +4,9 @@ Train on chains of up to `data.train_hops` hops (a hop curriculum from 2), test
 on every k up to `data.max_hops` at more and more iterations. Variants: `tiny`
 (smoke test), `cpu` (default: a 2-core laptop, 60k steps), `long` (the
 recipe that extrapolates furthest: d 128, L 2, 500k steps in resumable
-segments), `paper` (LTG's setting).
+segments), `paper` (LTG's setting), and `long_<lever>`: `long` with one of
+the levers toward K + 2 held to the last checkpoint (`LEVERS`; several
+joined by "+": `long_ema+decay`).
 Sweep `regimes`: fixed R = 4, 6, 8 vs dynamic R = clip(Poisson(lambda), min, max).
 
 `paper` is LTG's `train_extrapolation.py` field by field (its defaults, on the
@@ -44,12 +46,68 @@ accuracy is strictly above 0.95, each stage with a fresh AdamW and so a fresh
   # plots/depths.{png,md}: K + 1..K + 4 against step at each depth
   python -m loopjax.main --mode=eval --follow --workdir=runs/long
   python -m loopjax.main --mode=report --workdir=runs/long
+  # a lever: --config=experiments/extrapolation.py:long_ema; all of them on
+  # three seeds: launch/sweep.py --config=experiments/extrapolation.py:long \\
+  #     --sweep=levers --root=runs/levers
 """
 
 from loopjax import config as config_lib
+from loopjax.kg import ltg
+
+# Levers toward K + 2 >= 0.5 held to the last checkpoint (issue 54), each a set
+# of overrides on top of `long` (docs/results/extrapolation.md has the runs
+# that point at them).
+LEVERS = {
+  # The params' EMA, evaluated beside them (metrics ema/..., plots/depths_ema):
+  # K + 2 swings by 0.2-0.3 between evaluations 2,000 steps apart.
+  "ema": {"train.param_ema": 0.999},
+  # The last stage (k = 6, reached at ~14k) at a decayed lr: a cosine from
+  # its lr to 0.1x over 20k steps (10 evaluations), then flat.
+  "decay": {
+    "train.curriculum.last_stage_lr": 0.1,
+    "train.curriculum.last_stage_steps": 20_000,
+  },
+  # Positions drawn from [0, 128): wider than 64, which took K + 2 from 0.155
+  # to 0.7.
+  "rp128": {"model.random_positions": 128},
+  # Trained deeper than evaluated: R ~ Poisson(8) in [2, 16], deeper chains
+  # read at R = 12 fixed before training (one hop per iteration: K + 2 needs
+  # about 10).
+  "deep": {
+    "train.depth.mean": 8.0,
+    "train.depth.max": 16,
+    "eval.extrapolation_depth": 12,
+  },
+  # NoPE, LTG's: no positions, so none to randomize (validation refuses
+  # random_positions with it).
+  "nope": {"model.pos_encoding": "none", "model.random_positions": 0},
+  # LTG's answer column: chains padded to 50 tokens, read at column 49 (50 of
+  # the 64 random positions: `long_pad+rp128` keeps them spread).
+  "pad": {"data.pad_to": 50},
+}
+
+
+def _with_levers(variant: str):
+  """`long` with the levers `variant` names after `long_`."""
+  c = get_config("long")
+  c.variant = variant
+  for name in variant.removeprefix("long_").split("+"):
+    if name not in LEVERS:
+      raise ValueError(
+        f"variant: a lever of long_ is one of {', '.join(LEVERS)}; got {name!r}"
+      )
+    for field, value in LEVERS[name].items():
+      *parents, leaf = field.split(".")
+      node = c
+      for k in parents:
+        node = node[k]
+      node[leaf] = value
+  return c
 
 
 def get_config(variant: str = "cpu"):
+  if variant.startswith("long_"):
+    return _with_levers(variant)
   c = config_lib.base()
   c.variant = variant
   c.data.task = "chains"
@@ -143,34 +201,20 @@ def get_config(variant: str = "cpu"):
       pos_encoding="none",
       injection="none",
       init_state="embedding",
-      embed_init_std=1.0,
-      init_std=0.02,
       out_init_scale=0.0,
       dtype="bfloat16",
     )
     c.train.depth.update(dist="poisson", mean=4.0, min=2, max=8)
-    c.train.update(
-      batch_size=128,
-      num_steps=1_000_000,
-      lr=1e-4,
-      warmup_steps=2000,
-      schedule="constant",
-      weight_decay=0.01,
-      decay="all",
-      label_smoothing=0.0,
-      b1=0.9,
-      b2=0.999,
-      eps=1e-8,
-      grad_clip=0.0,
-      supervise="last",
-    )
+    ltg.recipe(c, weight_decay=0.01, label_smoothing=0.0)  # its script's values
     c.train.curriculum.update(
       start=2, threshold=0.95, strict=True, reset_optimizer=True, lr_decay=1.0
     )
     c.checkpoint.update(every=10_000, keep_every=50_000)
     c.eval_every = 2000
   else:
-    raise ValueError(f"variant: must be one of tiny, cpu, long, paper; got {variant!r}")
+    raise ValueError(
+      f"variant: must be one of tiny, cpu, long, long_<lever>, paper; got {variant!r}"
+    )
   return c
 
 
@@ -179,7 +223,8 @@ def sweep(name: str = "regimes"):
   `accelerators`: the hop curriculum with the grokking accelerators that
   train on composition (Grokfast EMA, StableMax) against none; a stage's
   fresh optimizer starts a fresh filter; three model seeds each
-  (docs/results/grokking_speed.md)."""
+  (docs/results/grokking_speed.md). `levers` (on `long`): none and each of
+  `LEVERS` alone, three model seeds each."""
   sweeps = {
     "regimes": [{"train.depth.dist": "poisson"}]
     + [{"train.depth.dist": "fixed", "model.num_loops": r} for r in (4, 6, 8)],
@@ -188,6 +233,7 @@ def sweep(name: str = "regimes"):
       for s in (0, 1, 2)
       for a in ({}, {"train.grokfast.kind": "ema"}, {"train.xent": "stablemax"})
     ],
+    "levers": [o | {"seed": s} for s in (0, 1, 2) for o in ({}, *LEVERS.values())],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

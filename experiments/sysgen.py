@@ -48,6 +48,7 @@ width shrinks (768 / 64 x 1e-4 ~ 1e-3, the 1/d rule for Adam).
 """
 
 from loopjax import config as config_lib
+from loopjax.kg import ltg
 
 
 def get_config(variant: str = "cpu"):
@@ -111,29 +112,10 @@ def get_config(variant: str = "cpu"):
 
 
 def ltg_recipe(c):
-  """LTG's block and optimizer (`paper`), on any model size."""
-  c.model.update(
-    num_loops=4,
-    pos_encoding="learned",
-    embed_init_std=1.0,
-    init_std=0.02,
-    out_init_scale=1.0,
-  )
-  c.train.update(
-    batch_size=128,
-    num_steps=1_000_000,
-    lr=1e-4,
-    warmup_steps=2000,
-    schedule="constant",
-    weight_decay=0.1,
-    decay="all",
-    label_smoothing=0.1,
-    b1=0.9,
-    b2=0.999,
-    eps=1e-8,
-    grad_clip=0.0,
-    supervise="last",
-  )
+  """LTG's block and optimizer (`paper`), on any model size: the recipe its
+  scripts share (loopjax/kg/ltg.py) with `train_systematicity.py`'s own values."""
+  c.model.update(num_loops=4, pos_encoding="learned", out_init_scale=1.0)
+  ltg.recipe(c, weight_decay=0.1, label_smoothing=0.1)
 
 
 # The grokking accelerators (loopjax/grad_filters.py, loss.py) at their papers'

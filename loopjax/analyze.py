@@ -7,7 +7,7 @@ training places it), the analyses' batches split over it; process 0 writes."""
 
 from etils import epath
 
-from loopjax import restore, sharding, storage
+from loopjax import restore, storage
 from loopjax import task as task_lib
 from loopjax.workdir import Workdir
 
@@ -19,7 +19,7 @@ def analyze(config, workdir, step: int | None = None) -> list[epath.Path]:
   wd = Workdir(workdir)
   wd.check(config)  # a config that conflicts with the run's is refused
   wd.check_writable("analysis")  # before the work, not after it
-  mesh = sharding.make_mesh(config.mesh)
+  mesh = restore.job_mesh(config)  # where this job runs, not where it trained
   task, model, step = restore.from_checkpoint(config, workdir, step, mesh=mesh)
   family = task_lib.for_config(config)
   out = workdir / "analysis" if asked is None else workdir / "analysis" / f"step_{step}"

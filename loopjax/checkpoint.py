@@ -182,10 +182,10 @@ def restore(
       if step is not None:
         raise
       if _unreachable(e):  # the storage's trouble, not the step's: no verdict
-        raise WriteError(f"cannot read checkpoint {s}: {_damage(e)}") from e
+        raise WriteError(f"cannot read checkpoint {s}: {damage(e)}") from e
       if not (directory / str(s)).exists():
         continue  # deleted while it was read (a trainer's keep policy)
-      failed.append((s, _damage(e)))
+      failed.append((s, damage(e)))
       continue
     for bad, why in failed:
       if quarantine:
@@ -251,7 +251,7 @@ def _unreachable(e: BaseException) -> bool:
   return False
 
 
-def _damage(e: Exception) -> str:
+def damage(e: Exception) -> str:
   """What is wrong with a checkpoint, in a line: TensorStore appends a dump of
   its spec ("See full TensorStore details: <bound method ...") to the cause."""
   return first_line(e).split(" See full TensorStore details")[0].rstrip(".")

@@ -23,7 +23,7 @@ from etils import epath
 from ml_collections import config_flags
 
 from loopjax import config as config_lib
-from loopjax import storage, xla
+from loopjax import liblog, storage, xla
 from loopjax.errors import ConfigError, Stopped, exit_with, first_line
 from loopjax.workdir import Workdir
 
@@ -182,18 +182,25 @@ def ended(main):
   """`main` whose user error (`ConfigError`) ends the process with its one
   line and exit 2, and whose work that cannot go on (`errors.Stopped`) with
   its one line and exit 1; any other exception is a bug and keeps its
-  traceback. The one place a command line turns an error into a line."""
+  traceback. The one place a command line turns an error into a line; the
+  libraries' restatements of it go to their log (`liblog`), named there."""
 
   @functools.wraps(main)
   def one_line(argv):
+    liblog.divert()  # here: app.run has set up absl's handler
     try:
       return main(argv)
     except ConfigError as e:
-      exit_with(first_line(e, limit=2000))
+      exit_with(first_line(e, limit=2000) + _library_log())
     except Stopped as e:
-      exit_with(first_line(e, limit=2000), code=1)
+      exit_with(first_line(e, limit=2000) + _library_log(), code=1)
 
   return one_line
+
+
+def _library_log() -> str:
+  """Where the libraries' own reports of the error went, if they made any."""
+  return f" (library log: {where})" if (where := liblog.written()) else ""
 
 
 @contextlib.contextmanager

@@ -28,6 +28,26 @@ _OP = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _OUTPUT_SECOND = ("all-gather", "collective-permute", "reduce-scatter", "all-to-all")
 
 
+def compile_or_load(lowered) -> tuple[object, bool]:
+  """(executable, loaded): `lowered` compiled, or loaded from JAX's persistent
+  compilation cache (`loaded`: this thread heard the cache's hit event; a
+  load is not a compile, and its time is a read's)."""
+  from jax import monitoring
+
+  me, hits = threading.get_ident(), []
+
+  def heard(event: str, **_) -> None:
+    if event == "/jax/compilation_cache/cache_hits" and threading.get_ident() == me:
+      hits.append(event)
+
+  monitoring.register_event_listener(heard)
+  try:
+    executable = lowered.compile()
+  finally:
+    monitoring.unregister_event_listener(heard)
+  return executable, bool(hits)
+
+
 def memory(compiled) -> dict:
   """Bytes per device: arguments, temporaries, outputs, and the peak the
   program needs (arguments + temporaries + outputs - donated aliases)."""

@@ -13,7 +13,7 @@ import json
 
 import ml_collections
 
-from loopjax import field_rules, task
+from loopjax import config_checks, field_rules, task
 from loopjax.errors import ConfigError
 from loopjax.names import HALTING_LTG
 
@@ -160,7 +160,9 @@ def base() -> ml_collections.ConfigDict:
     # accuracy (at model.num_loops) >= threshold (> if strict), up to
     # data.train_hops. Per stage: optionally a fresh optimizer (and so a fresh
     # warmup: the schedule counts the optimizer's steps), and the lr times
-    # lr_decay per stage passed, not below lr_min.
+    # lr_decay per stage passed, not below lr_min. In the last stage
+    # (data.train_hops) the lr also goes by a cosine from 1x to last_stage_lr x
+    # over last_stage_steps steps (0: last_stage_lr x at once), then stays.
     curriculum=dict(
       enabled=False,
       start=2,
@@ -169,7 +171,12 @@ def base() -> ml_collections.ConfigDict:
       reset_optimizer=False,
       lr_decay=1.0,
       lr_min=0.0,
+      last_stage_lr=1.0,
+      last_stage_steps=0,
     ),
+    # > 0: an EMA of the params at this decay, min(d, (1 + step) / (10 + step)),
+    # kept, checkpointed and evaluated beside them (metrics ema/..., loopjax/ema.py)
+    param_ema=0.0,
   )
 
   # Grokking phase thresholds (loopjax/kg/grokking.py): accuracy on
@@ -327,7 +334,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"analyze.names: each must be one of {', '.join(allowed)} (data.task "
       f"{d.task!r}); got {wrong[0]!r}"
     )
-  _validate_model(m)
+  config_checks.model(m)
   if t.depth.dist != "fixed":
     if not 1 <= t.depth.min <= t.depth.max:
       raise ConfigError(
@@ -362,124 +369,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
       f"eval.depths: a tuple of integers in [1, {field_rules.MAX_ITERATIONS}], "
       f"e.g. '(4,8,16)'; got {depths!r}"
     )
-  _validate_mesh(c)
-
-
-# What a field's default says of its values: (the default's type, the types a
-# value may have, a value's name, a tuple's elements'). A bool is no number.
-_KINDS = (
-  (bool, (bool,), "true or false", "booleans"),
-  (int, (int,), "an integer", "integers"),
-  (float, (int, float), "a number", "numbers"),
-  (str, (str,), "a string", "strings"),
-)
-
-
-def _is(value, types) -> bool:
-  return isinstance(value, types) and (bool in types or not isinstance(value, bool))
-
-
-def _kind(default):
-  return next((k for k in _KINDS if isinstance(default, k[0])), None)
+  config_checks.mesh(c)
 
 
 def check_types(c) -> None:
   """Raises ConfigError naming the first field whose value is not of its
-  default's type (`_check_types`); `c`: a config, or a dict as config.json
+  default's type (`config_checks.types`); `c`: a config, or a dict as config.json
   holds it."""
-  _check_types(c, base())
-
-
-def _check_types(c, reference, prefix: str = "") -> None:
-  """Each field of `reference` (base()) holds a value of its default's type,
-  and a tuple whose default's elements share a type, elements of it: a
-  config.json edited by hand or an experiment's typo fails here in one line,
-  not in the code that reads the field (None where a number goes, `true`
-  where an integer does)."""
-  for k, default in reference.items():
-    if k not in c:
-      continue
-    value, field = c[k], prefix + k
-    if hasattr(default, "items"):
-      _check_types(value, default, field + ".")
-      continue
-    if isinstance(default, tuple | list):
-      kinds = {_kind(x) for x in default}
-      inner = kinds.pop() if len(kinds) == 1 else None
-      if not isinstance(value, tuple | list):
-        wrong = f"a tuple{f' of {inner[3]}' if inner else ''}"
-      elif inner and not all(_is(x, inner[1]) for x in value):
-        wrong = f"a tuple of {inner[3]}"
-      else:
-        continue
-    elif (kind := _kind(default)) is None:
-      continue
-    elif not _is(value, kind[1]):
-      wrong = kind[2]
-    elif isinstance(value, int) and not -(2**63) <= value < 2**63:
-      wrong = "a 64-bit integer"  # numpy's and JAX's: larger ones overflow there
-    else:
-      continue
-    raise ConfigError(f"{field}: must be {wrong}; got {_short(value)}")
-
-
-def _short(value, limit: int = 80) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else f"{text[: limit - 5]}...{text[-2:]}"
-
-
-def _validate_model(m) -> None:
-  if m.d_model % m.num_heads:
-    raise ConfigError(
-      f"model.num_heads: must divide model.d_model ({m.d_model}); got {m.num_heads}"
-    )
-  if m.num_kv_heads and m.num_heads % m.num_kv_heads:
-    raise ConfigError(
-      f"model.num_kv_heads: must divide model.num_heads ({m.num_heads}); "
-      f"got {m.num_kv_heads}"
-    )
-  if m.pos_encoding == "rope" and (m.d_model // m.num_heads) % 2:
-    raise ConfigError(
-      f"model.num_heads: rope needs an even head dimension (d_model / num_heads); "
-      f"got {m.d_model} / {m.num_heads}"
-    )
-  if m.random_positions and m.pos_encoding != "rope":
-    raise ConfigError(
-      f"model.random_positions: must be 0 unless model.pos_encoding is 'rope' "
-      f"(the positions it draws rotate queries and keys); got {m.random_positions}"
-    )
-  if m.injection == "none" and m.init_state != "embedding":
-    raise ConfigError(
-      f"model.init_state: must be 'embedding' when model.injection is "
-      f"'none' (else the core never sees the input); got {m.init_state!r}"
-    )
-
-
-def _validate_mesh(c) -> None:
-  """What can be checked without devices (their count: `sharding.mesh_shape`)."""
-  named = {a: c.mesh[a] for a in ("data", "fsdp", "tensor")}
-  sizes = list(named.values())
-  if sizes.count(-1) > 1 or any(
-    not isinstance(s, int) or s == 0 or s < -1 for s in sizes
-  ):
-    raise ConfigError(
-      "mesh: data, fsdp and tensor must be >= 1, at most one -1 (the remaining "
-      f"devices); got {', '.join(f'{a}={s}' for a, s in named.items())}"
-    )
-  for rule in c.sharding.rules:
-    pair = isinstance(rule, tuple | list) and len(rule) == 2
-    axes = rule[1] if pair else "?"
-    named = [] if axes is None else [axes] if isinstance(axes, str) else axes
-    if (
-      not pair
-      or not isinstance(rule[0], str)
-      or not isinstance(named, tuple | list)
-      or any(x not in ("data", "fsdp", "tensor") for x in named)
-    ):
-      raise ConfigError(
-        "sharding.rules: each must be (logical name, mesh axis or axes or None) "
-        f"with mesh axes data, fsdp, tensor; got {rule!r}"
-      )
+  config_checks.types(c, base())
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

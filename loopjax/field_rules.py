@@ -105,6 +105,7 @@ BOUNDS = {
       "model.mlp_hidden",
       "train.warmup_steps",
       "train.decay_steps",
+      "train.curriculum.last_stage_steps",
       "checkpoint.keep_every",
       "analyze.halting.seq_len",
     ),
@@ -112,12 +113,19 @@ BOUNDS = {
   ),
   **dict.fromkeys(("data.ood_ratio", "data.p_test_id"), _UNIT),
   **dict.fromkeys(
-    ("train.b1", "train.b2", "train.label_smoothing", "train.grokfast.alpha"),
+    (
+      "train.b1",
+      "train.b2",
+      "train.label_smoothing",
+      "train.grokfast.alpha",
+      "train.param_ema",
+    ),
     _HALF_OPEN_UNIT,
   ),
   "train.grokfast.lamb": (lambda v: v >= 0 and math.isfinite(v), "must be >= 0"),
   "data.phi": (lambda v: math.isfinite(v) and v >= 0, "must be a finite number >= 0"),
   "train.lr": (lambda v: v > 0 and math.isfinite(v), "must be > 0"),
+  "train.curriculum.last_stage_lr": (lambda v: 0 < v <= 1, "must be in (0, 1]"),
   # renewed every lease_s / 4: GCS takes about one write a second per object
   "checkpoint.lease_s": (lambda v: 10 <= v < math.inf, "must be >= 10 (seconds)"),
   "train.weight_decay": (lambda v: v >= 0, "must be >= 0 (0 disables)"),

@@ -21,10 +21,10 @@ the follower), once what it saved is evaluated
 import json
 import time
 
+from loopjax import checkpoint, ema, evaluate, metrics, restore, storage
 from loopjax import config as config_lib
-from loopjax import evaluate, metrics, restore, storage
 from loopjax import task as task_lib
-from loopjax.errors import Stopped, first_line
+from loopjax.errors import Stopped
 from loopjax.workdir import Workdir
 
 RETRIES = 3  # looks at a checkpoint that does not restore before skipping it
@@ -48,7 +48,7 @@ def follow(workdir, config=None, *, poll_s: float = 2.0, analyses: bool = False)
   wd.check_writable("eval")
   with wd.exclusive("follow", config.checkpoint.lease_s):
     task = task_lib.for_config(config).load(config)
-    reader = restore.Reader(config, wd.path, task)
+    reader = restore.Reader(config, wd.path, task, ema=True)  # and the params' EMA
     job, trainer = _Job(wd, config, task, reader, analyses), metrics.Log(wd.path)
     if job.done:
       print(
@@ -102,14 +102,21 @@ class _Job:
     )
 
   def evaluate(self, step: int) -> None:
-    """Evaluates one checkpoint, or says why it could not (deleted by the
-    trainer's keep policy before its turn; damaged: after RETRIES looks).
-    Its records are this job's alone: the lease is checked first."""
+    """Evaluates one checkpoint, or says in one line why it could not (deleted
+    by the trainer's keep policy before or while it was read; damaged: after
+    RETRIES looks). What the libraries log about a read that failed goes to
+    their log, not the terminal (`liblog`, set up by `cli.ended`). Its
+    records are this job's alone: the lease is checked first."""
     self.wd.fence()
     try:
-      model, _ = self.reader.model(step)
+      models, _ = self.reader.models(step)
+      model = models["params"]
       flat, per_depth = self.evaluator.run_all(model.params)
-      report = evaluate.results(self.config, self.data, per_depth, step)
+      averaged = None
+      if "ema" in models:  # the params' EMA beside them, as ema/...
+        ema_flat, averaged = self.evaluator.run_all(models["ema"].params)
+        flat |= ema.renamed(ema_flat)
+      report = evaluate.results(self.config, self.data, per_depth, step, averaged)
       evaluate.write_results(self.wd.path, report)
       if self.analyses:
         out = self.wd.path / "analysis" / f"step_{step}"
@@ -124,7 +131,8 @@ class _Job:
       self.failures[step] = self.failures.get(step, 0) + 1
       if self.failures[step] < RETRIES:
         return
-      print(f"follow: checkpoint {step} does not restore ({first_line(e)}); skipped")
+      why = checkpoint.damage(e)  # without TensorStore's spec dump
+      print(f"follow: checkpoint {step} does not restore ({why}); skipped")
       self.done.add(step)
       self.damaged.add(step)
       return

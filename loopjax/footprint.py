@@ -5,8 +5,9 @@ A step that cannot fit should fail in seconds with the fields that make it
 big, not after minutes of compiling and a kill by the OS (a 100k-token
 sequence's document mask alone is 80 GB). The bound counts only what the step
 must hold at once: the train state's shard (float32 params, Adam's two
-moments, the gradient, and a Grokfast filter's state: 4 bytes per parameter
-for the EMA, 4 x (window + 2) for the MA's window, their sum and the next
+moments, the gradient, an EMA of the params if kept (train.param_ema: 4
+bytes per parameter), and a Grokfast filter's state: 4 bytes per parameter
+for its "ema" kind, 4 x (window + 2) for the MA's window, their sum and the next
 to leave, 25x the rest at window 100: the bound is then within 2x of the
 compiled step's peak, `sysgen.py:tiny` 4.6 MiB against aot's 6.7, where
 without the filter it counted 0.23), the state (B, T, D) the scan over
@@ -38,6 +39,7 @@ from loopjax.model import attention_kernels, blocked_attention
 GIB = 2**30
 STATE = "params, Adam moments, gradient"  # float32: 16 bytes per parameter
 FILTER = "Grokfast filter state"  # grad_filters.state_bytes per parameter
+EMA = "params' EMA (train.param_ema)"  # float32: 4 bytes per parameter
 ITERATIONS = "each iteration's state"
 BLOCKED = "attention scores of every block (3 x B, N, ~T^2 / 2)"
 
@@ -67,6 +69,8 @@ def lower_bound(config, family, task, mesh, evaluation=False) -> dict[str, float
   rows = B / sharding.batch_split(mesh, config.sharding.rules)
   P = params(m, V) / mesh.devices.size
   out = {STATE: 16 * P}
+  if config.train.param_ema:
+    out[EMA] = 4 * P
   if filt := grad_filters.state_bytes(config.train):
     g = config.train.grokfast
     window = f", window {g.window}" if g.kind == "ma" else ""
@@ -115,7 +119,7 @@ def check(config, family, task, mesh) -> None:
     )
     fields = (  # the state's shard grows with the model, not the batch
       "model (d_model, num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
-      if big == STATE
+      if big in (STATE, EMA)
       else "train.grokfast (kind, window, state_dtype), model (d_model, "
       "num_layers, mlp_ratio), mesh.fsdp, mesh.tensor"
       if big.startswith(FILTER)

@@ -1,105 +1,76 @@
 """Figures of a run or a sweep, from the records the runs wrote (`metrics.read`).
 
-`--mode=report --workdir=DIR`: if DIR is a run, `DIR/plots/accuracy.png` holds
-its accuracy per probe split against step (log axis) with the grokking phase
-transitions marked; if DIR holds runs (a sweep root), each run gets its plot and
-`DIR/plots/sweep.png` overlays the runs, one panel per split. `DIR/results.md`
-tabulates, per run, steps and wall time to each phase and the final accuracies;
-a sweep whose runs were `--mode=analyze`d also gets `DIR/ablations.md` and
-`DIR/plots/ablations.png` (kg/ablations.py), and a sweep of language
-models `DIR/lm_study.md` and `DIR/plots/lm_study.png` (lm/study.py).
-k-hop chains runs plot their held-out splits (`test_k<k>`) and mark the steps
-where the hop curriculum advanced; evaluated at several depths (`--mode=eval
---follow`), they also get `plots/depths.png` and `plots/depths.md`: the
-chains K + 1 to K + 4 hops deep against step at every depth (kg/beyond.py).
-Language-model runs get `plots/lm.png`: training and validation loss against
-step beside the unigram baseline, and validation loss by number of
-iterations at evaluations along the run.
+`--mode=report --workdir=DIR`: if DIR is a run, its figures go under
+`DIR/plots/`; if DIR holds runs (a sweep root), each run gets its figures and
+`DIR/plots/sweep.png` overlays the runs' accuracy curves, one panel per
+split. `DIR/results.md` tabulates, per run, steps and wall time to each phase
+and the final metrics.
+
+What differs by task family is the family's own (`Parts`, named by its
+`task.Spec.report`): which splits it plots, its figures of a run, the final
+metrics, the phases shown first, a sweep's extra tables. This module knows
+no family: a run's family is its config.json's `data.task`, or for a run
+without one, the first registered family whose records it claims.
 """
 
+import dataclasses
+import functools
 import json
 import statistics
+from collections.abc import Callable
 
 from etils import epath
 
-from loopjax import metrics, storage
+from loopjax import metrics, storage, task
 from loopjax.analysis.plots import plt, save
-from loopjax.data.kg import hop_count
-from loopjax.kg import ablations, beyond, grokking
-from loopjax.lm import study as lm_study
-from loopjax.workdir import Workdir, run_config
-
-SPLITS = (
-  "train_inferred",
-  "test_inferred_id",
-  "test_inferred_ood",
-  "id_atomic",
-  "ood_atomic",
-)
+from loopjax.names import imported
+from loopjax.workdir import Workdir
 
 
-def _accs(record: dict) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """A family's part of a report; `task.Spec.report` names it ("module:ATTR")."""
+
+  claims: Callable[[list[dict]], bool]  # records -> whether they are its run's
+  plots: Callable[[epath.Path], list[epath.Path]]  # a run's figures
+  # (records, eval records) -> (the records results.md reads, their metric keys)
+  final: Callable[[list[dict], list[dict]], tuple[list[dict], tuple]]
+  splits: Callable[[list[dict]], list[str]] = lambda records: []  # accuracy curves
+  panels: Callable[[list[str]], list[str]] = lambda names: []  # sweep.png's splits
+  phases: Callable[[tuple], tuple[str, ...]] = lambda final: ()  # shown first
+  # (sweep root, its runs of this family) -> the extra files written
+  sweep: Callable[[epath.Path, list[epath.Path]], list[epath.Path]] | None = None
+
+
+@functools.cache
+def _family_parts(name: str) -> Parts:
+  return imported(task.spec(name).report)
+
+
+def parts(workdir: epath.Path) -> Parts:
+  """The report parts of the run in `workdir` (see the module docstring)."""
+  config = Workdir(workdir).saved_config()
+  if config is not None:
+    return _family_parts(config.data.task)
+  records = metrics.read(workdir)
+  found = (_family_parts(n) for n in task.FAMILIES if task.spec(n).report)
+  first = _family_parts(next(n for n in task.FAMILIES if task.spec(n).report))
+  return next((p for p in found if p.claims(records)), first)
+
+
+def accs(record: dict) -> list[str]:
   """The splits whose accuracy at the training depth an eval record holds."""
   return [k[5:-4] for k in record if k.startswith("eval/") and k.endswith("/acc")]
 
 
-def _evals(records: list[dict]) -> list[dict]:
-  return [r for r in records if _accs(r)]
-
-
-LM_LOSS = "eval/validation/loss"
-
-
-def plot_lm(workdir: epath.Path) -> epath.Path:
-  records = metrics.read(workdir)
-  train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-  evals = [r for r in records if LM_LOSS in r]
-  R = run_config(workdir).model.num_loops  # read before a figure is open
-  fig, (ax, by_r) = plt.subplots(1, 2, figsize=(11, 4))
-  if train:
-    ax.plot(*zip(*train, strict=True), label="train", alpha=0.6)
-  if evals:
-    ax.plot(
-      [r["step"] for r in evals], [r[LM_LOSS] for r in evals], "o-", label="validation"
-    )
-    if (unigram := evals[-1].get("eval/validation/unigram_loss")) is not None:
-      ax.axhline(unigram, color="gray", ls="--", label="unigram")
-  ax.set(xscale="log", xlabel="step", ylabel="loss (nats / token)", title=workdir.name)
-  picks = (
-    evals if len(evals) <= 4 else [evals[i * (len(evals) - 1) // 3] for i in range(4)]
-  )
-  for r in picks:
-    d = sorted(int(k.rpartition("@")[2]) for k in r if k.startswith(LM_LOSS + "@"))
-    depths = sorted([*d, R])
-    losses = [r[LM_LOSS] if x == R else r[f"{LM_LOSS}@{x}"] for x in depths]
-    by_r.plot(depths, losses, "o-", label=f"step {r['step']}")
-  by_r.axvline(R, color="gray", ls=":", lw=1)
-  by_r.set(
-    xlabel="iterations R at evaluation",
-    ylabel="validation loss",
-    title=f"trained at R = {R}",
-  )
-  for a in (ax, by_r):
-    a.grid(alpha=0.3)
-    if a.get_legend_handles_labels()[0]:
-      a.legend(fontsize=8)
-  return save(fig, workdir / "plots" / "lm.png")
-
-
-def splits(records: list[dict]) -> list[str]:
-  """The splits to plot: composition's probes, or chains' atomic and test_k<k>."""
-  keys = list(dict.fromkeys(k for r in _evals(records) for k in _accs(r)))
-  composition = [s for s in SPLITS if s in keys]
-  chains = sorted(
-    (k for k in keys if k.startswith("test_") and hop_count(k)), key=hop_count
-  )
-  return composition or (["atomic"] if "atomic" in keys else []) + chains
+def evals(records: list[dict]) -> list[dict]:
+  return [r for r in records if accs(r)]
 
 
 def eval_records(workdir: epath.Path) -> list[dict]:
   """A run's evaluations: the training loop's, or (trained with
   eval_every=0) those of the evaluation job that followed it."""
-  return _evals(metrics.read(workdir)) or _evals(metrics.read(workdir / "eval"))
+  return evals(metrics.read(workdir)) or evals(metrics.read(workdir / "eval"))
 
 
 def reached_phases(workdir: epath.Path) -> dict:
@@ -118,7 +89,7 @@ def curves(workdir: epath.Path) -> dict:
     return {}
   return {
     s: ([r["step"] for r in records], [r[f"eval/{s}/acc"] for r in records])
-    for s in splits(records)
+    for s in parts(workdir).splits(records)
   }
 
 
@@ -133,12 +104,13 @@ def plot_run(workdir: epath.Path) -> epath.Path:
   return save(fig, workdir / "plots" / "accuracy.png")
 
 
-def plot_sweep(root: epath.Path, runs: list[epath.Path]) -> epath.Path:
-  """Composition: train_inferred, test_inferred_id/ood. Chains: held-out
-  chains of the four fewest hop counts (where a curriculum is at work)."""
+def plot_sweep(root: epath.Path, runs: list[epath.Path]) -> list[epath.Path]:
+  """The runs' accuracy curves overlaid, on the panels the first run's family
+  picks; none where it plots no accuracies (a language model's sweep)."""
   names = list(dict.fromkeys(n for run in runs for n in curves(run)))
-  tests = [n for n in names if n not in SPLITS and n.startswith("test_")]
-  names = tests[:4] if tests else names[:3] or list(SPLITS[:3])  # no eval: empty
+  names = parts(runs[0]).panels(names)
+  if not names:
+    return []
   fig, axes = plt.subplots(
     1, len(names), figsize=(4.7 * len(names), 4), sharey=True, squeeze=False
   )
@@ -147,47 +119,37 @@ def plot_sweep(root: epath.Path, runs: list[epath.Path]) -> epath.Path:
       steps, acc = curves(run).get(split, ([], []))
       ax.plot(steps, acc, label=run.name)
     _style(ax, split)
-  return save(fig, root / "plots" / "sweep.png")
-
-
-FINAL = (
-  "train_inferred/acc",
-  "test_inferred_id/acc",
-  "test_inferred_ood/acc",
-  "test_inferred_ood/acc_given_atomic",
-)
+  return [save(fig, root / "plots" / "sweep.png")]
 
 
 def results_row(workdir: epath.Path) -> dict:
-  """Steps/s, (step, wall seconds) of each phase, and the last eval's accuracies."""
+  """Steps/s, (step, wall seconds) of each phase, and the final metrics the
+  run's family picks (of its last evaluation)."""
   records = metrics.read(workdir)
   walls = metrics.wall_times(records)
   rates = [r["train/steps_per_s"] for r in records if "train/steps_per_s" in r]
-  evals = eval_records(workdir)
+  family = parts(workdir)
+  evaluated, final = family.final(records, eval_records(workdir))
   phases = reached_phases(workdir)
-  final = FINAL if evals and "eval/train_inferred/acc" in evals[-1] else None
-  if final is None and evals:
-    final = tuple(f"{s}/acc" for s in splits(evals))
-  lm = [r for r in records if LM_LOSS in r]
-  if lm:
-    evals, final = lm, ("validation/loss", "validation/unigram_loss", "validation/ppl")
   return {
     "run": workdir.name,
     "steps": max((r["step"] for r in records), default=0),
     "wall_s": max(walls.values(), default=None),
     "steps_per_s": statistics.median(rates) if rates else None,
     "phases": {p: (s, walls.get(s)) for p, s in phases.items()},
-    "final": {k: evals[-1].get(f"eval/{k}") for k in final} if evals else {},
+    "first_phases": family.phases(final),
+    "final": {k: evaluated[-1].get(f"eval/{k}") for k in final} if evaluated else {},
   }
 
 
 def results_table(rows: list[dict]) -> str:
-  """Markdown: one line per run (phase cells: step / wall time). Chains runs'
-  phases are the curriculum stages; their finals, each split's accuracy."""
+  """Markdown: one line per run (phase cells: step / wall time): the phases
+  the runs' families show first, then the others by their number (a
+  curriculum's stages)."""
   final = list(dict.fromkeys(k for r in rows for k in r["final"]))
-  phases = list(grokking.PHASES) if any(k in FINAL for k in final) else []
+  phases = list(dict.fromkeys(p for r in rows for p in r.get("first_phases", ())))
   phases += sorted(
-    {p for r in rows for p in r["phases"] if p not in grokking.PHASES},
+    {p for r in rows for p in r["phases"] if p not in phases},
     key=lambda p: int(p.rpartition("_")[2]) if p[-1].isdigit() else 0,
   )
   head = ["run", "steps", "wall", "steps/s", *phases, *final]
@@ -229,7 +191,7 @@ def report(path) -> list[epath.Path]:
 def _report(path: epath.Path) -> list[epath.Path]:
   if _is_run(path):
     Workdir(path).check_writable("", "plots")  # before the work, not after it
-    runs, figures = [path], _plot(path)
+    runs, figures = [path], parts(path).plots(path)
   else:
     runs = sorted(p for p in path.iterdir() if _is_run(p)) if path.is_dir() else []
     if not runs:
@@ -239,20 +201,15 @@ def _report(path: epath.Path) -> list[epath.Path]:
     Workdir(path).check_writable("", "plots")
     for run in runs:
       Workdir(run).check_writable("plots")
-    figures = [f for r in runs for f in _plot(r)] + [plot_sweep(path, runs)]
-    kg = [r for r in runs if not lm_study.is_lm(r)]
-    figures += ablations.write(path, kg) + lm_study.write(path, runs)
+    figures = [f for r in runs for f in parts(r).plots(r)] + plot_sweep(path, runs)
+    by_family: dict[Parts, list[epath.Path]] = {}
+    for run in runs:
+      by_family.setdefault(parts(run), []).append(run)
+    for family, theirs in by_family.items():
+      figures += family.sweep(path, theirs) if family.sweep else []
   table = path / "results.md"
   storage.write_whole(table, results_table([results_row(r) for r in runs]))
   return [*figures, table]
-
-
-def _plot(workdir: epath.Path) -> list[epath.Path]:
-  """A run's figures: a language model's losses, else accuracies (and, for
-  chains evaluated at several depths, those beyond the trained hops)."""
-  if any(LM_LOSS in r for r in metrics.read(workdir)):
-    return [plot_lm(workdir)]
-  return [plot_run(workdir), *beyond.write(workdir, reached_phases(workdir))]
 
 
 def _style(ax, title: str) -> None:

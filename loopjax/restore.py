@@ -50,14 +50,34 @@ def pretrained_config(path, config=None, **model):
   return config
 
 
+def job_mesh(config):
+  """The mesh of a job that reads a model (evaluation, analysis, sampling,
+  lm_eval): the devices it was launched on, whatever mesh the run trained on,
+  since a mesh is where a job runs, not part of the model. All devices of
+  all processes (one process: the first `mesh.devices`, 0 = all); split as
+  the config's data x fsdp x tensor where that fits them, else its fsdp and
+  tensor with data the rest, else data alone."""
+  m = {a: int(config.mesh[a]) for a in sharding.MESH_AXES}
+  n = config.mesh.get("devices", 0)
+  devices = jax.devices()[:n] if n and jax.process_count() == 1 else jax.devices()
+  for shape in (m, m | {"data": -1}):
+    try:
+      return sharding.make_mesh(shape, devices)
+    except ConfigError:
+      continue
+  return sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1}, devices)
+
+
 class Reader:
   """Restores a run's checkpoints' params, one after another (an evaluation
   job follows them): their abstract shapes are built once. Only the params
   are read (`checkpoint.restore`'s partial restore): never the optimizer's
   moments or a grad filter's state, 3x to 100x their bytes. `mesh`: where
-  the params go (default: this process's first device)."""
+  the params go (default: this process's first device); `ema`: also the
+  params' EMA where the run keeps one (train.param_ema), in the same read
+  (`models`)."""
 
-  def __init__(self, config, workdir, task, mesh=None):
+  def __init__(self, config, workdir, task, mesh=None, ema: bool = False):
     self.config = config
     if mesh is None:
       mesh = sharding.make_mesh(
@@ -65,6 +85,8 @@ class Reader:
       )
     self.graphdef, state, _, _ = sharded_train_state(config, task, mesh, abstract=True)
     self.abstract = {"params": state["params"]}
+    if ema and "ema" in state:
+      self.abstract["ema"] = state["ema"]
     self.mngr = Workdir(workdir).checkpoints(config.checkpoint, read_only=True)
 
   def steps(self) -> list[int]:
@@ -73,6 +95,11 @@ class Reader:
 
   def model(self, step: int | None = None) -> tuple[Model, int]:
     """(the model at `step`, default the newest good one; its step)."""
+    models, step = self.models(step)
+    return models["params"], step
+
+  def models(self, step: int | None = None) -> tuple[dict[str, Model], int]:
+    """({"params": the model at `step`, "ema": its EMA's if read}, its step)."""
     if step is not None and step not in (have := self.steps()):
       listed = ", ".join(map(str, have[-8:])) if have else "none"
       raise ConfigError(
@@ -86,7 +113,8 @@ class Reader:
       raise ConfigError(
         f"--workdir={self.mngr.directory.parent}: no checkpoint to evaluate"
       )
-    return Model(self.graphdef, state["params"], self.config.model.dtype), step
+    dtype = self.config.model.dtype
+    return {k: Model(self.graphdef, v, dtype) for k, v in state.items()}, step
 
   def close(self) -> None:
     self.mngr.close()
@@ -163,7 +191,7 @@ def language_model(config, workdir=None, num_loops: int | None = None):
   )  # fmt: skip
 
   def weights(step=None):
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = job_mesh(config)
     return from_checkpoint(config, workdir, step, task=task, mesh=mesh)[1]
 
   return LanguageModel(
@@ -185,7 +213,7 @@ def _pretrained(config, num_loops):
   def weights(step=None):
     del step  # a directory has one
     rules = tuple(config.sharding.rules)
-    mesh = sharding.make_mesh(config.mesh)
+    mesh = job_mesh(config)
     return load.load(
       m.hf_dir, m, split, cfg.num_loops, m.dtype, mesh=mesh, rules=rules
     )[1]

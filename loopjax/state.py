@@ -70,13 +70,47 @@ def init_state(model, tx, seed: int, params=None):
 
 def train_state(config, task, params=None):
   """(graphdef, initial train state, optimizer) for a config and its task data
-  (`params`: see `init_state`); a curriculum run's state also holds its stage."""
+  (`params`: see `init_state`); a curriculum run's state also holds its stage,
+  and the `optional` entries its config asks for."""
   tx = make_optimizer(config.train)
   model = build_model(config.model, *task.model_dims(), config.seed)
   graphdef, state = init_state(model, tx, config.seed, params)
   if config.train.curriculum.enabled:
     state["stage"] = jnp.int32(config.train.curriculum.start)
-  return graphdef, state, tx
+  return graphdef, with_optional(config, state), tx
+
+
+# Entries a train state holds only where its config asks, each begun as a copy
+# of another: the params' EMA (train.param_ema, ema.py) and the step the
+# curriculum's stage began (train.curriculum.last_stage_steps). Only then: a
+# run without them keeps its checkpoints' layout and resumes as it was.
+OPTIONAL = {"ema": "params", "stage_start": "step"}
+
+
+def optional(config) -> set[str]:
+  """The `OPTIONAL` entries `config`'s train state holds."""
+  t = config.train
+  out = {"ema"} if t.param_ema else set()
+  if t.curriculum.enabled and t.curriculum.last_stage_steps:
+    out.add("stage_start")
+  return out
+
+
+def _copy(x):
+  return x if isinstance(x, jax.ShapeDtypeStruct) else jnp.array(x, copy=True)
+
+
+def with_optional(config, state):
+  """`state` (arrays or abstract) with `config`'s `optional` entries: those it
+  lacks begun as copies of their sources (a fork that turns the EMA on starts
+  it at the fork's params), those `config` does not ask for dropped. Copies,
+  not the same arrays: the step donates its state, and a buffer is donated
+  once."""
+  want = optional(config)
+  out = {k: v for k, v in state.items() if k not in OPTIONAL or k in want}
+  for k in sorted(want - set(state)):
+    out[k] = jax.tree.map(_copy, state[OPTIONAL[k]])
+  return out
 
 
 def sharded_train_state(config, task, mesh, abstract: bool = False, params=None):
@@ -101,6 +135,8 @@ def sharded_train_state(config, task, mesh, abstract: bool = False, params=None)
   shardings = sharding.state_shardings(
     shapes, sharding.param_axes(abstract_model), tx, mesh, config.sharding.rules
   )
+  if "ema" in shardings:  # placed as the params it averages
+    shardings["ema"] = shardings["params"]
   if abstract:
     state = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -14,7 +14,7 @@ its package's JAX-free `spec.py`. `spec` imports the latter in a fraction of
 a second; `for_config` imports the class only when a run needs it, and its
 `load` reads the data with the family's own reader. A new family is a
 package beside `kg/` and `lm/` (its `Family` subclass, its reader, its
-`spec.py`) and one line here.
+`spec.py`, naming its report's parts) and one line here.
 """
 
 import abc
@@ -44,6 +44,8 @@ class Spec(NamedTuple):
   curriculum: bool = False  # trains with a hop curriculum (train.curriculum.*)
   pretrained: Callable | None = None  # rules of a pretrained model's run (model.hf_dir)
   init_from: Callable | None = None  # of a run started from one (model.init_from)
+  report: str | None = None  # "module:ATTRIBUTE" of its report.Parts (--mode=report)
+  export: str | None = None  # of its (config, out_dir) -> papers' files (data export)
 
 
 FAMILIES = {
@@ -106,6 +108,11 @@ class Family(abc.ABC):
 
   def finished(self, config, phases: dict) -> str | None:
     """The line a finished training run prints, if any."""
+    return None
+
+  def update_scale(self, config, state):
+    """A multiplier of the optimizer's updates, traced inside the train step
+    from its `state` (a curriculum's decayed last stage); None: none."""
     return None
 
   def eval_depths(self, config) -> list[int]:

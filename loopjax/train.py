@@ -1,7 +1,9 @@
 """Training: a pure, jitted train step over NNX state, and the loop around it.
 
 The state is a plain pytree `{"params", "opt_state", "step", "rng"}` (plus
-`"stage"` for a curriculum); the model's graph definition is static.
+`"stage"` for a curriculum, and the entries of `state.OPTIONAL` a config asks
+for: the params' EMA, the step the stage began); the model's graph
+definition is static.
 `train_step` is compiled ahead of time, once per batch shape, and its compiled
 memory held against the devices' before it runs (`_Compiled`); it donates its
 input state, and the loop dispatches
@@ -12,19 +14,26 @@ the loop applies what phase detection and the curriculum decide.
 
 import dataclasses
 import math
-import signal
 import time
 
 import jax
 import optax
-from jax.experimental import multihost_utils
 
-from loopjax import checkpoint, compiled, footprint, metrics, recurrence, sharding
+from loopjax import (
+  checkpoint,
+  compiled,
+  ema,
+  footprint,
+  metrics,
+  preemption,
+  recurrence,
+  sharding,
+)
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, Stopped, first_line
 from loopjax.lease import LeaseLost
 from loopjax.pretrained import init_from
-from loopjax.state import Model, sharded_train_state
+from loopjax.state import Model, sharded_train_state, with_optional
 from loopjax.workdir import Fork, Workdir
 
 
@@ -34,7 +43,7 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
   the recurrent state constrained in every iteration."""
   m, t = config.model, config.train
   rules, dd = tuple(config.sharding.rules), t.depth
-  loss_fn = task_lib.for_config(config).loss_fn
+  family = task_lib.for_config(config)
 
   def train_step(state, batch):
     with sharding.active(mesh, rules):
@@ -49,18 +58,24 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
 
       def objective(params):
         model = Model(graphdef, params, m.dtype).module()
-        return loss_fn(model, batch, t, key=key, num_loops=loops, depth=depth)
+        return family.loss_fn(model, batch, t, key=key, num_loops=loops, depth=depth)
 
       (value, acc), grads = jax.value_and_grad(objective, has_aux=True)(state["params"])
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     extra = {"train/stage": state["stage"]} if "stage" in state else {}
     if depth is not None:
       extra["train/depth"] = depth
+    if (scale := family.update_scale(config, state)) is not None:
+      updates = jax.tree.map(lambda u: scale * u, updates)
+      extra["train/last_stage_scale"] = scale
+    params = optax.apply_updates(state["params"], updates)
     new_state = state | {
-      "params": optax.apply_updates(state["params"], updates),
+      "params": params,
       "opt_state": opt_state,
       "step": state["step"] + 1,
     }
+    if "ema" in state:
+      new_state["ema"] = ema.update(state["ema"], params, t.param_ema, state["step"])
     return new_state, {
       "train/loss": value,
       "train/acc": acc,
@@ -79,13 +94,18 @@ def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
 class _Compiled:
   """The train step as the executables it compiles ahead of time, one per
   batch shape (a curriculum stage may change it), each checked before it first
-  runs: its compiled peak against the devices' memory (`footprint`), its
-  compile time and peak logged. Running the executable itself, not the jitted
-  function, is what keeps the check from costing a second compile."""
+  runs: its compiled peak against the devices' memory (`footprint`). Running
+  the executable itself, not the jitted function, is what keeps the check from
+  costing a second compile.
+
+  `compile/*` (time and peak) is logged once per compile: when this process
+  compiled the program, or when a fresh run (from step 0) loaded one another
+  run compiled into the persistent cache. A resume that loads it logs only
+  the load's time, `cache/train_step_load_s`: its peak is in the records."""
 
   def __init__(self, jitted, config, mesh, writer):
     self.jitted, self.config, self.mesh, self.writer = jitted, config, mesh, writer
-    self._by_shape = {}
+    self._by_shape, self._resumed = {}, None  # _resumed: at the first compile
 
   def __call__(self, state, batch):
     key = tuple((x.shape, x.dtype) for x in jax.tree.leaves(batch))
@@ -95,55 +115,26 @@ class _Compiled:
 
   def _compile(self, state, batch):
     start = time.perf_counter()
-    executable = self.jitted.lower(state, batch).compile()
+    lowered = self.jitted.lower(state, batch)
+    executable, loaded = compiled.compile_or_load(lowered)
     seconds = time.perf_counter() - start
     memory = compiled.memory(executable)
     footprint.check_compiled(self.config, memory, self.mesh)
-    self.writer.write(
-      int(state["step"]),
-      {"compile/train_step_s": seconds}
-      | {f"compile/train_step_{k}_gib": v / footprint.GIB for k, v in memory.items()},
-    )
+    step = int(state["step"])
+    self._resumed = step > 0 if self._resumed is None else self._resumed
+    gib = {f"compile/train_step_{k}_gib": v / footprint.GIB for k, v in memory.items()}
+    if loaded:  # the time is a read's; the peak is logged where it was compiled
+      self.writer.write(step, {"cache/train_step_load_s": seconds})
+      gib = {} if self._resumed else gib  # a fresh run on another's program: once
+    else:
+      gib["compile/train_step_s"] = seconds
+    if gib:
+      self.writer.write(step, gib)
     return executable
 
 
 class RunStopped(Stopped):
   """The run cannot go on (diverged, disk full); its saved checkpoints are intact."""
-
-
-class _Preemption:
-  """Once armed, SIGTERM/SIGINT set a flag the loop checks after each step.
-
-  Armed after the first step, whose call compiles: until then there is
-  nothing to save and a compile can run for minutes, so the signals keep
-  their default action (SIGTERM ends the process at once). With several
-  processes, all must stop after the same step (a save is collective): JAX's
-  preemption service hears SIGTERM and `reached_preemption_sync_point` tells
-  every process the same step, so the handlers stay JAX's.
-  """
-
-  SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-  def __enter__(self):
-    self.signal, self._old, self._alone = None, None, jax.process_count() == 1
-    return self
-
-  def arm(self) -> None:
-    if self._alone and self._old is None:
-      self._old = [signal.signal(s, self._handle) for s in self.SIGNALS]
-
-  def __exit__(self, *exc):
-    if self._old is not None:
-      for s, old in zip(self.SIGNALS, self._old, strict=True):
-        signal.signal(s, old)
-
-  def _handle(self, signum, frame):
-    self.signal = signal.Signals(signum).name
-
-  def requested(self, step: int) -> bool:
-    if not self._alone and multihost_utils.reached_preemption_sync_point(step):
-      self.signal = "SIGTERM (all processes)"
-    return self.signal is not None
 
 
 def train_and_evaluate(config, workdir) -> dict:
@@ -181,7 +172,7 @@ def train_and_evaluate(config, workdir) -> dict:
         print(f"started from {m.init_from} (prelude, core, coda: {m.hf_split})")
     else:  # its own newest good checkpoint, or the one it forks
       state, start = (
-        fork.restore(config.checkpoint, abstract, train_iter)
+        _restore_fork(config, fork, abstract, train_iter)
         if fork
         else checkpoint.restore(mngr, abstract, train_iter)
       )
@@ -213,6 +204,18 @@ def train_and_evaluate(config, workdir) -> dict:
       step=start,
     )
     return loop.run_to_end(state)
+
+
+def _restore_fork(config, fork, abstract, train_iter):
+  """(state, step) of the fork's source checkpoint, restored as its own
+  config laid it out; then `config`'s optional entries (state.OPTIONAL) begun
+  or dropped: a fork may turn the params' EMA or the last stage's decay on
+  (each starts at the fork) or off."""
+  source = fork.source.saved_config()
+  state, step = fork.restore(
+    config.checkpoint, with_optional(source, abstract), train_iter
+  )
+  return with_optional(config, state), step
 
 
 def _clean_up(failure, *steps):
@@ -251,7 +254,7 @@ class _Loop:
     lost = None
     try:
       self.writer.start(self.step)
-      with _Preemption() as preempt:
+      with preemption.Preemption() as preempt:
         step, last = self.run(state, preempt)
       reason = "finished" if preempt.signal is None else "preempted"
     except (FloatingPointError, OSError) as e:
@@ -350,7 +353,10 @@ class _Loop:
     """Evaluates, then applies what the family decides (grokking phases, a
     curriculum stage): (state, metrics, names of the phases reached here)."""
     ev = self.evaluator.run(state["params"])  # replaces every older eval value:
-    last = {k: v for k, v in last.items() if not k.startswith("eval/")} | ev
+    if "ema" in state:  # the average beside the raw params, as ema/...
+      ev |= ema.renamed(self.evaluator.run(state["ema"]))
+    old = lambda k: k.startswith("eval/") or ema.is_metric(k)  # noqa: E731
+    last = {k: v for k, v in last.items() if not old(k)} | ev
     self.writer.write(step, ev)  # a metric this eval lacks must not be logged stale
     state, reached = self.family.after_eval(
       self.config, step, last, self.wd.phases, self.train_iter, state, self.tx

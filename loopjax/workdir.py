@@ -163,9 +163,11 @@ class Workdir:
       diff = conflicts(old, json.loads(config_lib.to_json(config)))
       if diff:
         more = f"; and {len(diff) - 3} more" if len(diff) > 3 else ""
+        fork = all(d.startswith("train.") for d in diff)  # e.g. train.param_ema
         raise ConfigError(
           f"--workdir={self.path} holds a run with another config: "
-          f"{'; '.join(diff[:3])}{more}. Use a new --workdir."
+          f"{'; '.join(diff[:3])}{more}. Use a new --workdir"
+          + (" (checkpoint.fork_from=DIR trains on from this run)." if fork else ".")
         )
     elif self.has_checkpoints():
       raise ConfigError(

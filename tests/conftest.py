@@ -23,6 +23,10 @@ atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# Libraries' logs kept off the terminal (loopjax/liblog.py): this session's.
+_LOGS = tempfile.mkdtemp(prefix="loopjax-test-logs-")
+atexit.register(shutil.rmtree, _LOGS, ignore_errors=True)
+os.environ.setdefault("LOOPJAX_LOG_DIR", _LOGS)
 
 from loopjax import xla  # noqa: E402
 

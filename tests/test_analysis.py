@@ -13,6 +13,7 @@ from loopjax import config as config_lib
 from loopjax.analysis import activations, attention, fixed_points, logit_lens, registry
 from loopjax.analysis.record import Analysis
 from loopjax.errors import ConfigError
+from loopjax.kg import source as kg_source
 from loopjax.kg import spec as kg_spec
 from loopjax.lm import spec as lm_spec
 from loopjax.model import LoopedTransformer
@@ -337,7 +338,7 @@ TOY = Analysis(
   per_example=lambda model, trace, batch, pad: jnp.linalg.norm(
     trace["core"]["hidden"][-1, -1], axis=-1
   ).mean(-1),  # (B,): the last iteration's mean state norm per example
-  summarize=lambda ex, config, split: float(np.mean(ex["toy"])),
+  summarize=lambda ex, inputs: float(np.mean(ex["toy"])),
   table=_toy_table,
   summary=lambda report: f"{len(report['toy'])} splits",
 )
@@ -345,7 +346,7 @@ TOY = Analysis(
 
 def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, capsys):
   from experiments import sysgen
-  from loopjax import data
+  from loopjax.data import kg
   from loopjax.kg import analyze as analyze_kg
   from loopjax.state import Model, build_model
 
@@ -356,7 +357,7 @@ def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, c
   c.data.data_dir = str(tmp_path / "data")
   c.analyze.update(names=("toy",), max_depth=2)
   config_lib.validate(c)  # the registry line is all validation reads
-  task = data.knowledge_graph(c.data)
+  task = kg_source.knowledge_graph(c.data)
   graphdef, params = nnx.split(
     build_model(
       c.model, task.vocab.vocab_size, task.splits["train"]["inputs"].shape[1], 0
@@ -367,5 +368,5 @@ def test_a_new_analysis_is_a_record_and_a_registry_line(tmp_path, monkeypatch, c
   )
   assert [p.name for p in written] == ["toy.json", "toy.md"]
   report = json.loads((tmp_path / "out" / "toy.json").read_text())
-  assert report["toy"].keys() == data.probes(task, c.data.train_hops, 1).keys()
+  assert report["toy"].keys() == kg.probes(task, c.data.train_hops, 1).keys()
   assert capsys.readouterr().out.endswith(f"toy: {len(report['toy'])} splits\n")

@@ -169,14 +169,15 @@ _harness_value = (
 def test_harness_model_args_are_one_line_or_accepted(args):
   """`--model loopjax` arguments, checked before the harness starts: a
   ConfigError (one line) or accepted, never another exception."""
-  harness = pytest.importorskip("loopjax.lm.harness")
+  pytest.importorskip("lm_eval")
   from lm_eval import utils
 
   from loopjax.errors import ConfigError
+  from loopjax.lm import harness_args
 
   text = ",".join(f"{k}={v}" for k, v in args.items())
   try:
-    harness._precheck(["--model", "loopjax", "--model_args", text])
+    harness_args.precheck(["--model", "loopjax", "--model_args", text])
   except ConfigError as e:
     assert len(str(e).splitlines()) == 1
     return
@@ -700,3 +701,31 @@ def test_aot_names_the_models_width_when_its_state_alone_does_not_fit():
   _check_aot_size(
     "model.d_model", width, "--config.model.num_heads=64", "--config.mesh.data=8"
   )
+
+
+# A reading job's mesh (issue 53): whatever mesh a run trained on (any sizes
+# validation allows, mesh.devices included), a job of one or several
+# processes reads it on the devices it was launched on, never a refusal.
+_trained_mesh = st.fixed_dictionaries(
+  {
+    "data": st.sampled_from([-1, 1, 2, 3, 4, 8, 16]),
+    "fsdp": st.sampled_from([1, 2, 3, 4, 8]),
+    "tensor": st.sampled_from([1, 2, 4, 5]),
+    "devices": st.sampled_from([0, 1, 2, 4, 7]),
+  }
+)
+
+
+@_settings(40)
+@given(_trained_mesh, st.sampled_from([1, 2, 4]))
+def test_a_reading_job_opens_any_trained_mesh_on_its_devices(mesh, processes):
+  from unittest import mock
+
+  from loopjax import restore
+
+  c = sysgen.get_config("tiny")
+  c.mesh.update(mesh)
+  with mock.patch.object(jax, "process_count", lambda: processes):
+    got = restore.job_mesh(c)
+  n = mesh["devices"] if mesh["devices"] and processes == 1 else jax.device_count()
+  assert got.devices.size == min(n, jax.device_count()), (mesh, processes)

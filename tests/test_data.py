@@ -12,6 +12,7 @@ import pytest
 from conftest import as_ltg_writes_it
 
 import loopjax.data
+import loopjax.kg.source
 from loopjax import config as config_lib
 from loopjax.data import grokked_json, kg, tfds_kg
 
@@ -177,7 +178,7 @@ def test_json_load_reads_single_line_files(data, tmp_path):
   cfg = ml_collections.ConfigDict(
     {"source": f"grokked_json:{tmp_path}", "task": "composition", "pad_to": 0}
   )
-  _assert_same(loopjax.data.knowledge_graph(cfg), data)
+  _assert_same(loopjax.kg.source.knowledge_graph(cfg), data)
 
 
 def _corrupt(path: Path, line: int, old: str, new: str):
@@ -259,13 +260,13 @@ def test_tfds_read_matches_generator_and_reuses_prepared_data(
     raise AssertionError("prepared data was generated again")
 
   monkeypatch.setattr(kg, "composition", regenerate)
-  _assert_same(loopjax.data.knowledge_graph(cfg), data)
+  _assert_same(loopjax.kg.source.knowledge_graph(cfg), data)
   assert info.stat().st_mtime_ns == mtime
 
 
 def test_tfds_config_name_changes_with_every_param(tmp_path):
   names = set()
-  params = tfds_kg.TASKS["composition"].params
+  params = kg.COMPOSITION.params
   for key in [None, *params]:
     cfg = _data_cfg(tmp_path)
     if key:
@@ -415,7 +416,7 @@ def _assert_same_chains(a: kg.TaskData, b: kg.TaskData):
 def test_chains_tfds_round_trip(chains, tmp_path):
   cfg = config_lib.base().data
   cfg.update(CHAINS, task="chains", data_dir=str(tmp_path))
-  _assert_same_chains(loopjax.data.knowledge_graph(cfg), chains)
+  _assert_same_chains(loopjax.kg.source.knowledge_graph(cfg), chains)
   assert tfds_kg.config_name(cfg) == "e20_r4_k5_n60_t10_v0_s3"
 
 
@@ -436,7 +437,7 @@ def test_chains_ltg_json_round_trip(chains, tmp_path):
   cfg = ml_collections.ConfigDict(
     {"source": f"grokked_json:{tmp_path}", "task": "chains", "pad_to": 0}
   )
-  _assert_same_chains(loopjax.data.knowledge_graph(cfg), chains)
+  _assert_same_chains(loopjax.kg.source.knowledge_graph(cfg), chains)
 
 
 def test_chains_json_errors_name_the_item_and_line(chains, tmp_path):
@@ -478,7 +479,7 @@ def test_chains_in_ltgs_own_files_load_as_they_are(chains, tmp_path, capsys):
     {"source": f"grokked_json:{tmp_path}", "task": "chains", "pad_to": 0}
   )
   _assert_same_chains(
-    loopjax.data.knowledge_graph(cfg), chains
+    loopjax.kg.source.knowledge_graph(cfg), chains
   )  # nothing dropped or moved
   err = capsys.readouterr().err.strip().splitlines()
   n_chains = sum(len(chains.splits[f"train_k{k}"]["target"]) for k in range(2, 6))

@@ -11,9 +11,11 @@ from conftest import as_ltg_writes_it, losses, run
 
 from experiments import extrapolation
 from loopjax import metrics, restore, train
+from loopjax.analysis.record import Inputs
 from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
 from loopjax.kg import curriculum, depth, overthinking
+from loopjax.kg import source as kg_source
 from loopjax.kg import spec as kg_spec
 from loopjax.kg.evaluate import Evaluator
 from loopjax.state import Model, train_state
@@ -102,7 +104,7 @@ def test_stage_decays_the_lr(config, floor):
 def test_data_must_hold_the_hops_the_config_trains_on(config, monkeypatch):
   """The papers' files fix their own hop counts; checked once loaded."""
   task = small_chains(max_hops=3, train_per_hop=20, test_per_hop=4)
-  monkeypatch.setattr(curriculum.data, "knowledge_graph", lambda data_cfg: task)
+  monkeypatch.setattr(curriculum.source, "knowledge_graph", lambda data_cfg: task)
   with pytest.raises(ConfigError, match=r"^data.train_hops: must be <= the data's"):
     curriculum.load(config)  # train_hops 4
   config.data.train_hops = 3
@@ -211,7 +213,7 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
   want, _ = ev.per_depth(state["params"])
   config.analyze.max_depth, config.eval.batch_size = 3, 64
   model = Model(graphdef, state["params"], "float32")
-  got = overthinking.curves(model, ev.probes, config, task.vocab.pad_id)
+  got = overthinking.curves(model, Inputs(config, task=task, probes=ev.probes))
   for name, res in want.items():
     np.testing.assert_allclose(got[name]["acc"], [res["acc"][d] for d in (1, 2, 3)])
 
@@ -221,10 +223,9 @@ def test_curves_with_a_random_initial_state_equal_the_evaluator(config):
 def test_ltgs_own_files_train_like_the_generated_data(config, whole, tmp_path):
   """The official on-disk format (off-by-two labels, one line per file) trains
   with data.source=grokked_json:DIR on the very examples generated ones hold."""
-  from loopjax import data
   from loopjax.data import grokked_json
 
-  grokked_json.export(data.knowledge_graph(config.data), tmp_path / "ltg")
+  grokked_json.export(kg_source.knowledge_graph(config.data), tmp_path / "ltg")
   as_ltg_writes_it(tmp_path / "ltg")
   config.data.source = f"grokked_json:{tmp_path / 'ltg'}"
   config.train.num_steps = 20

@@ -1,6 +1,7 @@
 """`--mode=eval --follow`: an evaluation job beside a live training run."""
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -13,8 +14,9 @@ import numpy as np
 import pytest
 from conftest import CPU_ENV, cli, start, steps_on_disk
 
-from loopjax import data, follow, metrics, restore, train
+from loopjax import follow, metrics, restore, train
 from loopjax.errors import ConfigError
+from loopjax.kg import source as kg_source
 from loopjax.kg.evaluate import Evaluator
 from loopjax.workdir import Workdir
 
@@ -100,6 +102,52 @@ def test_follower_evaluates_each_checkpoint_once_across_a_restart(
   assert sorted(points) == steps
 
 
+_SAID = re.compile(
+  r"follow: (evaluated step (\d+)|checkpoint (\d+) (was deleted before it was "
+  r"evaluated|does not restore \([^\n]*\)); skipped|waiting for \S+|the run "
+  r"has finished \(step \d+\); done)"
+)
+
+
+# ~5 min on a busy core: a trainer saving every step, keeping two, and its
+# follower, whose reads and analyses race the keep policy's deletes.
+@pytest.mark.slow
+def test_a_follower_beside_a_fast_trainer_says_one_line_per_skipped_checkpoint(
+  tmp_path,
+):
+  workdir, data_dir = tmp_path / "run", tmp_path / "data"
+  steps = [
+    "--config.train.num_steps=300", "--config.checkpoint.every=1",
+    "--config.checkpoint.keep=2", "--config.eval_every=0",
+    "--config.log_every=1000",
+  ]  # fmt: skip
+  trainer = start(cli(workdir, data_dir, *steps))
+  follower = subprocess.run(
+    [
+      sys.executable, "-m", "loopjax.main", "--mode=eval", "--follow",
+      f"--workdir={workdir}", "--poll_s=0.05",
+      "--analyze",  # slower than the trainer on any machine: some are deleted
+    ],
+    capture_output=True, text=True, env=CPU_ENV, timeout=900,
+  )  # fmt: skip
+  out_train = trainer.communicate(timeout=300)[0]
+  assert trainer.returncode == 0, out_train[-3000:]
+  assert follower.returncode == 0, follower.stderr[-3000:]
+  # The terminal: the follower's own lines, one per checkpoint it looked at.
+  assert "Traceback" not in follower.stderr, follower.stderr[-3000:]
+  assert not [x for x in follower.stderr.splitlines() if "tfds" not in x.lower()], (
+    follower.stderr[-3000:]
+  )
+  lines = [x for x in follower.stdout.splitlines() if x.startswith("follow:")]
+  said = [m for x in lines if (m := _SAID.fullmatch(x))]
+  assert len(said) == len(lines), [x for x in lines if not _SAID.fullmatch(x)]
+  evaluated = [int(m[2]) for m in said if m[2]]
+  skipped = [int(m[3]) for m in said if m[3]]
+  assert skipped, lines  # the race happened: the test saw what it tests
+  assert len(set(skipped)) == len(skipped) and not set(skipped) & set(evaluated)
+  assert 300 in evaluated and sorted(_evaluated(workdir)) == sorted(evaluated)
+
+
 @pytest.fixture
 def finished(tiny_config, tmp_path):
   """A 40-step run with checkpoints at 20 and 40 and no in-loop evaluation."""
@@ -112,7 +160,7 @@ def finished(tiny_config, tmp_path):
 
 def test_a_checkpoint_deleted_before_its_turn_is_skipped(finished, capsys):
   config, workdir = finished
-  task = data.knowledge_graph(config.data)
+  task = kg_source.knowledge_graph(config.data)
   job = follow._Job(
     Workdir(workdir), config, task, restore.Reader(config, workdir, task), False
   )

@@ -12,9 +12,10 @@ import optax
 import pytest
 from conftest import losses
 
-from loopjax import compiled, data, grad_filters, loss, sharding, train
+from loopjax import compiled, grad_filters, loss, sharding, train
 from loopjax import config as config_lib
 from loopjax.errors import ConfigError
+from loopjax.kg import source as kg_source
 from loopjax.state import make_optimizer, sharded_train_state
 
 RNG = np.random.default_rng(0)
@@ -259,7 +260,7 @@ def test_the_filters_state_is_sharded_like_the_params(tiny_config, kind):
   c.train.grokfast.update(kind=kind, window=2)
   c.mesh.update(data=2, fsdp=2, tensor=2, devices=0)
   mesh = sharding.make_mesh(c.mesh)
-  task = data.knowledge_graph(c.data)
+  task = kg_source.knowledge_graph(c.data)
   _, _, _, shardings = sharded_train_state(c, task, mesh, abstract=True)
   filt = shardings["opt_state"][1]  # chain: perp-Grad, the filter, clip, adamw
   specs = lambda t: jax.tree.map(lambda s: tuple(s.spec), t)  # noqa: E731

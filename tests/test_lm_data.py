@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loopjax import config as config_lib
-from loopjax.data import corpus, lm, packing
+from loopjax.data import corpus, lm, packing, tokenizer
 from loopjax.errors import ConfigError
 
 
@@ -25,10 +25,10 @@ def test_a_line_without_whitespace_trains_in_bounded_pieces(lm_config, capsys):
   and a corpus without one trains the tokenizer it did before."""
   docs = corpus.load(lm_config.data).docs
   text = "ab" * 1_000_000  # 2 MB, one pre-token
-  pieces = list(lm._bounded("x y " + text + " z", runs := []))
+  pieces = list(tokenizer._bounded("x y " + text + " z", runs := []))
   assert "".join(pieces) == "x y " + text + " z" and runs == [len(text)]
-  assert max(map(len, pieces)) <= lm.LONGEST_WORD + 4
-  assert list(lm._bounded(docs[0][1], [])) == [docs[0][1]]
+  assert max(map(len, pieces)) <= tokenizer.LONGEST_WORD + 4
+  assert list(tokenizer._bounded(docs[0][1], [])) == [docs[0][1]]
   start = time.monotonic()
   tok = lm.train_tokenizer([*docs, ("long", text)], 300)
   assert time.monotonic() - start < 60  # unbounded: hours
@@ -171,7 +171,7 @@ def test_stdlib_corpus_is_the_running_pythons_sources(lm_config):
       ),
       "t.json does not load as a tokenizer.json",
     ),
-    (lambda c, d: c.data.update(seq_len=100_000), "data.seq_len: the train split has"),
+    (lambda c, d: c.data.update(seq_len=100_000), "data.seq_len: the train split of"),
     (
       lambda c, d: c.data.update(source="tfds:no_such_dataset"),
       "is not prepared under",
@@ -275,3 +275,23 @@ def test_a_tfds_dataset_with_configs_asks_for_one(lm_config, tmp_path):
   lm_config.data.source = "tfds:wiki:a"
   with pytest.raises(ConfigError, match="does not read as a TFDS dataset"):
     corpus.load(lm_config.data)
+
+
+@pytest.mark.parametrize("docs", [["def f(x): return x\n"], ["def f(x):\n", "x = 1\n"]])
+def test_a_corpus_too_small_is_refused_before_any_tokenizer_or_tfds_work(
+  lm_config, tmp_path, capfd, docs
+):
+  """One document (none to hold out), or splits shorter than one sequence even
+  at a token per byte: one line, before a BPE is trained or TFDS prepares
+  (nothing printed, nothing written under data_dir)."""
+  root = tmp_path / "small"
+  root.mkdir()
+  for i, text in enumerate(docs):
+    (root / f"d{i}.py").write_text(text)
+  lm_config.data.source = f"text:{root}/*.py"
+  capfd.readouterr()
+  with pytest.raises(ConfigError, match="data.source|data.seq_len"):
+    lm.read(lm_config.data)
+  out, err = capfd.readouterr()
+  assert out == err == "", (out, err)
+  assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())

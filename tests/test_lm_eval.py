@@ -18,7 +18,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from loopjax import config as config_lib  # noqa: E402
 from loopjax.errors import ConfigError  # noqa: E402
-from loopjax.lm import harness, sample  # noqa: E402
+from loopjax.lm import harness, harness_args, harness_hub, sample  # noqa: E402
 from loopjax.pretrained.load import load  # noqa: E402
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf" / "ouro"
@@ -259,7 +259,7 @@ def test_model_args_batch_size_wins_over_the_harness_flag():
 @pytest.mark.parametrize("flag, used", [("2", 2), ("auto", 8), ("auto:4", 8)])
 def test_the_harness_batch_size_flag_is_read_as_it_writes_it(flag, used):
   """The harness's own `--batch_size` reaches the model as a string."""
-  harness._precheck(["--model", "loopjax", "--batch_size", flag])
+  harness_args.precheck(["--model", "loopjax", "--batch_size", flag])
   model = harness.LoopjaxLM.create_from_arg_string(
     f"pretrained={FIXTURE}", {"batch_size": flag, "device": None}
   )
@@ -276,10 +276,10 @@ def test_an_unknown_task_says_where_to_look(tasks, tmp_path):
   broken = tmp_path / "broken"
   broken.mkdir()
   (broken / "toy_broken.yaml").write_text("task: toy_broken\ndataset_path: [json\n")
-  assert harness._why_unknown("toy_broken", str(broken)).startswith(
+  assert harness_hub.why_unknown("toy_broken", str(broken)).startswith(
     f"{broken / 'toy_broken.yaml'} names it but does not load: "
   )
-  assert harness._why_unknown("toy_broken", str(tasks)) == (
+  assert harness_hub.why_unknown("toy_broken", str(tasks)) == (
     f"no YAML file under --include_path={tasks} names it"
   )
 
@@ -303,7 +303,7 @@ def test_a_data_set_the_hub_cannot_send_is_one_line(tmp_path):
 
 def test_a_bad_harness_batch_size_flag_is_one_line():
   with pytest.raises(ConfigError, match="batch_size must be an integer >= 1; got '0x'"):
-    harness._precheck(["--model", "loopjax", "--batch_size=0x"])
+    harness_args.precheck(["--model", "loopjax", "--batch_size=0x"])
 
 
 def test_the_requests_record_on_a_bucket_keeps_every_call(bucket):

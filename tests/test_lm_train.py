@@ -7,6 +7,7 @@ from conftest import cli, losses, run
 
 from loopjax import metrics, report, train
 from loopjax.errors import ConfigError
+from loopjax.lm import task as lm_task
 
 
 def test_an_lm_run_trains_evaluates_per_iteration_and_resumes_bit_exact(
@@ -140,13 +141,14 @@ def test_a_sharded_lm_step_matches_one_device(lm_config):
   import jax
   import numpy as np
 
-  from loopjax import data, sharding
+  from loopjax import sharding
+  from loopjax.data import lm as lm_data
   from loopjax.state import sharded_train_state, train_state
   from loopjax.train import make_train_step
 
   lm_config.model.update(num_heads=4, num_kv_heads=2, mlp_type="swiglu")
-  task = data.text(lm_config.data)
-  batches = [next(data.lm.train_iterator(task, 8, s)) for s in range(2)]
+  task = lm_task.text(lm_config.data)
+  batches = [next(lm_data.train_iterator(task, 8, s)) for s in range(2)]
   graphdef, state, tx = train_state(lm_config, task)
   step = make_train_step(lm_config, graphdef, tx)
   want = []

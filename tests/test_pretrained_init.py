@@ -17,9 +17,10 @@ from safetensors.numpy import load_file, save_file
 
 from experiments import lm
 from loopjax import config as config_lib
-from loopjax import data, sharding, train
+from loopjax import sharding, train
 from loopjax.data import lm as lm_data
 from loopjax.errors import ConfigError
+from loopjax.lm import task as lm_task
 from loopjax.loss import lm_loss_fn
 from loopjax.pretrained import init_from
 from loopjax.pretrained.load import load
@@ -101,7 +102,7 @@ def test_a_run_trains_from_the_pretrained_params_and_records_their_shapes(tmp_pa
   last = train.train_and_evaluate(c, tmp_path / "run")
   loss = losses(tmp_path / "run")
   assert all(np.isfinite(v) for v in loss.values()) and loss[8] < loss[1]
-  task = data.text(init_from.resolve(c).data)
+  task = lm_task.text(init_from.resolve(c).data)
   batch = next(lm_data.train_iterator(task, c.train.batch_size, c.seed))
   _, feedforward = load(FIXTURES / "llama_gqa", config_lib.base().model)
   first, _ = lm_loss_fn(feedforward.module(), batch, c.train, key=None, num_loops=1)

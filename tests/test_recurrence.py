@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from loopjax import recurrence
+from loopjax.kg import source as kg_source
 
 D = 8
 W = jax.random.normal(jax.random.key(0), (D, D)) / np.sqrt(D)
@@ -131,14 +132,14 @@ def test_sampled_depths_follow_their_distribution(dist):
 
 
 def test_dynamic_depth_training_step(tiny_config):
-  from loopjax import data, train
+  from loopjax import train
   from loopjax.data import pipeline
   from loopjax.state import build_model, init_state, make_optimizer
 
   tiny_config.train.depth.update(dist="poisson", mean=3.0, min=1, max=6)
   tiny_config.train.backprop_depth = 2
   tiny_config.model.injection = "add"
-  task = data.knowledge_graph(tiny_config.data)
+  task = kg_source.knowledge_graph(tiny_config.data)
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)
   graphdef, state = init_state(model, tx, 0)

@@ -172,3 +172,34 @@ def test_evaluation_of_a_grokfast_run_restores_its_params_only(grokfast_run):
   assert step == 20 and same(model.params, trained["params"])
   assert keys <= 2 * len(jax.tree.leaves(trained["params"])) < all_keys
   assert read < nbytes(trained["params"]) + nbytes(opt) / 10
+
+
+def test_a_reading_job_runs_on_the_devices_it_is_launched_on(tiny_config, monkeypatch):
+  """A mesh is where a job runs, not part of the model: a run trained on one
+  device (mesh.devices=1) is read by a job of several processes on all their
+  devices, and a trained mesh that does not fit them keeps what it can."""
+  from loopjax.errors import ConfigError
+
+  tiny_config.mesh.update(devices=1, data=-1, fsdp=1, tensor=1)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)  # 8 devices, 2 processes
+  with pytest.raises(ConfigError, match="mesh.devices"):
+    sharding.make_mesh(tiny_config.mesh)  # training's rule: its own mesh only
+  assert dict(restore.job_mesh(tiny_config).shape) == {
+    "data": 8,
+    "fsdp": 1,
+    "tensor": 1,
+  }
+  tiny_config.mesh.update(data=1, fsdp=2, tensor=2)  # trained on 4 devices
+  assert dict(restore.job_mesh(tiny_config).shape) == {
+    "data": 2,
+    "fsdp": 2,
+    "tensor": 2,
+  }
+  tiny_config.mesh.update(fsdp=3)  # 3 does not divide 8: data alone
+  assert dict(restore.job_mesh(tiny_config).shape) == {
+    "data": 8,
+    "fsdp": 1,
+    "tensor": 1,
+  }
+  monkeypatch.setattr(jax, "process_count", lambda: 1)  # one process: mesh.devices
+  assert restore.job_mesh(tiny_config).devices.size == 1

@@ -8,9 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from loopjax import checkpoint, data, sharding
-from loopjax.data import pipeline
+from loopjax import checkpoint, sharding
+from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
+from loopjax.kg import source as kg_source
 from loopjax.state import sharded_train_state, train_state
 from loopjax.train import make_train_step
 from loopjax.workdir import Workdir
@@ -29,7 +30,7 @@ def setup(tmp_path_factory):
 
   c = sysgen.get_config("tiny")
   c.data.data_dir = str(tmp_path_factory.mktemp("data"))
-  return c, data.knowledge_graph(c.data)
+  return c, kg_source.knowledge_graph(c.data)
 
 
 def _mesh(config, shape, devices=None):
@@ -61,7 +62,7 @@ def test_bad_mesh_names_the_field(sizes, message):
 
 def _batches(config, task, n):
   it = pipeline.train_iterator(
-    data.train_split(task, config.data.train_hops),
+    kg.train_split(task, config.data.train_hops),
     config.train.batch_size,
     0,
     task.vocab.pad_id,
@@ -145,7 +146,7 @@ def test_checkpoint_restores_on_another_mesh(setup, tmp_path):
   _, state, _, _ = sharded_train_state(config, task, mesh)
   mngr = Workdir(tmp_path).checkpoints(config.checkpoint)
   it = pipeline.train_iterator(
-    data.train_split(task, config.data.train_hops),
+    kg.train_split(task, config.data.train_hops),
     config.train.batch_size,
     0,
     task.vocab.pad_id,

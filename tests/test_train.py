@@ -13,8 +13,9 @@ import pytest
 from conftest import CPU_ENV, cli, losses, run, start, steps_on_disk
 
 from loopjax import config as config_lib
-from loopjax import data, evaluate, footprint, loss, metrics, task, train
+from loopjax import evaluate, footprint, loss, metrics, task, train
 from loopjax.errors import ConfigError
+from loopjax.kg import source as kg_source
 from loopjax.kg.evaluate import Evaluator
 from loopjax.kg.task import Composition
 
@@ -91,7 +92,7 @@ class Toy(Composition):
   def load(self, config):
     d = config.data.copy_and_resolve_references()
     d.task = "composition"
-    return data.knowledge_graph(d)
+    return kg_source.knowledge_graph(d)
 
 
 def test_a_new_family_is_its_class_and_one_registry_line(
@@ -115,7 +116,10 @@ def test_the_step_compiles_once_and_its_memory_is_checked_before_it_runs(
     train.train_and_evaluate(tiny_config, tmp_path / "fits")
   compiles = [r for r in caplog.messages if r.startswith("Compiling jit(train_step)")]
   assert len(compiles) == 1, compiles  # the checked executable is the one run
-  start = metrics.read(tmp_path / "fits")[1]
+  # compiled here, or loaded from the cache another test filled: logged once
+  (start,) = [
+    r for r in metrics.read(tmp_path / "fits") if "compile/train_step_peak_gib" in r
+  ]
   assert start["step"] == 0 and 0 < start["compile/train_step_peak_gib"] < 1
   monkeypatch.setattr(footprint, "lower_bound", lambda *a: {})  # passes pre-flight
   monkeypatch.setattr(footprint, "capacity", lambda mesh: (2**20, "a 1 MiB device"))
@@ -124,6 +128,30 @@ def test_the_step_compiles_once_and_its_memory_is_checked_before_it_runs(
     train.train_and_evaluate(tiny_config, tmp_path / "big")
   assert not any("train/loss" in r for r in metrics.read(tmp_path / "big"))
   assert steps_on_disk(tmp_path / "big") == []
+
+
+def test_compile_metrics_are_logged_once_per_compile_not_at_each_resume(
+  tiny_config, tmp_path
+):
+  """A resume that loads the step from the persistent cache logs the load's
+  time alone; one that compiles it (the cache off) logs the compile."""
+  tiny_config.train.num_steps = 10
+  train.train_and_evaluate(tiny_config, tmp_path)  # compiled, or another's: once
+  tiny_config.train.num_steps = 20
+  train.train_and_evaluate(tiny_config, tmp_path)  # the cache holds it now
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    tiny_config.train.num_steps = 30
+    train.train_and_evaluate(tiny_config, tmp_path)  # compiles again
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+  records = metrics.read(tmp_path)
+  peaks = [r["step"] for r in records if "compile/train_step_peak_gib" in r]
+  compiles = [r["step"] for r in records if "compile/train_step_s" in r]
+  loads = [r["step"] for r in records if "cache/train_step_load_s" in r]
+  assert peaks == [0, 20] and compiles[-1:] == [20], (peaks, compiles)
+  assert 10 in loads and 20 not in loads, loads
 
 
 def test_conflicting_workdir_is_refused_and_untouched(tiny_config, tmp_path):
@@ -238,9 +266,7 @@ def test_sigterm_during_the_first_compile_ends_the_run_at_once(tiny_config, tmp_
 def test_conditional_ood_accuracy_counts_only_queries_with_known_hops(tiny_config):
   import numpy as np
 
-  from loopjax import data
-
-  task = data.knowledge_graph(tiny_config.data)
+  task = kg_source.knowledge_graph(tiny_config.data)
   ev = Evaluator.__new__(Evaluator)
   ev.R, ev.pad = 1, task.vocab.pad_id
   ev.probes = {
@@ -306,12 +332,11 @@ def test_train_step_loss_is_mean_over_supervised_iterations(tiny_config, mode):
   import optax
   from flax import nnx
 
-  from loopjax import data
   from loopjax.data import pipeline
   from loopjax.state import build_model, init_state, make_optimizer
 
   tiny_config.train.supervise = mode
-  task = data.knowledge_graph(tiny_config.data)
+  task = kg_source.knowledge_graph(tiny_config.data)
   model = build_model(tiny_config.model, task.vocab.vocab_size, 3, 0)
   tx = make_optimizer(tiny_config.train)
   graphdef, state = init_state(model, tx, 0)

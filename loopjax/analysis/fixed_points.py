@@ -221,11 +221,11 @@ def summarize(examples: dict, tol: float, share: float, margin: float) -> dict:
   }
 
 
-def from_pass(examples: dict, config, extra=None) -> dict:
+def from_pass(examples: dict, inputs) -> dict:
   """`summarize` of the shared pass's outputs (by analysis name) at the run's
-  `analyze` settings: the record's, a knowledge graph's and a language
-  model's alike."""
-  a = config.analyze
+  `analyze` settings (`inputs`: a record.Inputs): the record's, a knowledge
+  graph's and a language model's alike."""
+  a = inputs.config.analyze
   return summarize(examples["fixed_points"], a.tol, a.fp_share, a.cycle_margin)
 
 

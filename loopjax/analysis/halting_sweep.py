@@ -15,9 +15,11 @@ from loopjax.data import pipeline
 from loopjax.state import eval_key
 
 
-def table(model, probes: dict, config, pad: int):
+def table(model, inputs):
   """[{criterion, thresholds..., splits: {split: {acc, iterations}}}] over the
-  `analyze.halting` grid; the initial state drawn as evaluations draw it."""
+  `analyze.halting` grid, on `inputs.probes` (a record.Inputs); the initial
+  state drawn as evaluations draw it."""
+  config, task, probes = inputs.config, inputs.task, inputs.probes
   cfg, key = config.analyze.halting, eval_key(config)
   feed, rows = sharding.Feed.like(model.params, config.sharding.rules), []
   for rule in halting.grid(cfg):
@@ -27,8 +29,8 @@ def table(model, probes: dict, config, pad: int):
         lambda b: _answers(model, b, key, rule, r_max=cfg.r_max),
         split,
         feed.size(config.eval.batch_size),
-        pad,
-        pad_to=config.data.pad_to,
+        task.vocab.pad_id,
+        pad_to=task.pad_to,
         put=feed.put,
       )
       splits[name] = {

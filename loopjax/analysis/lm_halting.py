@@ -41,10 +41,12 @@ def _exits(model, batch, key, rule: halting.Rule, *, r_max: int):
   return iters_BT, logp_BTV.argmax(-1), _nll(logp_BTV, batch["targets"])
 
 
-def table(model, batches: list, n: int, config, key) -> dict:
+def table(model, inputs) -> dict:
   """{"r_max", "tokens", "rows": [{criterion, thresholds, iterations,
-  early, agree, loss, loss_full}]} over the first n rows of `batches`."""
-  cfg = config.analyze.halting
+  early, agree, loss, loss_full}]} over the first `inputs.n` rows of
+  `inputs.batches` (a record.Inputs)."""
+  batches, n, key = inputs.batches, inputs.n, inputs.key
+  cfg = inputs.config.analyze.halting
   mask = np.concatenate(sharding.host([b["mask"] for b in batches]))[:n] > 0
 
   def tokens(outs):  # per batch (arrays,) -> per real token, concatenated

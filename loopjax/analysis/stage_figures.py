@@ -4,7 +4,7 @@ its record: lm/analyses.py)."""
 import numpy as np
 from etils import epath
 
-from loopjax.analysis.mechanistic_figures import main_result
+from loopjax.analysis.mechanistic_tables import main_result
 from loopjax.analysis.plots import markdown, plt, save
 
 PANELS = (

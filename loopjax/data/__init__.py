@@ -1,40 +1,16 @@
-"""Task data as integer arrays: knowledge graphs generated (stored via TFDS) or
-the papers' JSON; text corpora tokenized for the language-model task (lm.py)."""
+"""Task data as integer arrays. This package's shared code (pipeline.py,
+packing.py, tfds_store.py, corpus.py) knows no task family: each family's
+own data module (kg.py with tfds_kg.py and grokked_json.py; lm.py) is
+imported by its family (kg/source.py, lm/task.py), never from here."""
 
-import dataclasses
-
-from loopjax.data import grokked_json, lm, tfds_kg
-from loopjax.data.kg import TaskData, Vocab, fingerprint, probes, train_split
 from loopjax.errors import ConfigError
 
-__all__ = [
-  "TaskData",
-  "Vocab",
-  "fingerprint",
-  "knowledge_graph",
-  "probes",
-  "text",
-  "train_split",
-]
-
-_JSON = "grokked_json:"
+__all__ = ["prepared"]
 
 
-def text(data_cfg) -> lm.LmData:
-  """A language model's token streams (lm.py)."""
-  return _prepared(lambda: lm.read(data_cfg), data_cfg)
-
-
-def knowledge_graph(data_cfg) -> TaskData:
-  """A knowledge graph's splits: generated, or the papers' JSON."""
-  if data_cfg.source.startswith(_JSON):  # config.validate: KG tasks only
-    task = grokked_json.load(data_cfg.source.removeprefix(_JSON), data_cfg.task)
-  else:
-    task = _prepared(lambda: tfds_kg.read(data_cfg), data_cfg)
-  return dataclasses.replace(task, pad_to=data_cfg.pad_to)
-
-
-def _prepared(read, data_cfg):
+def prepared(read, data_cfg):
+  """`read()`, a data set prepared under data.data_dir, with a data_dir that
+  cannot be made or written (or a full disk) as one line."""
   try:
     return read()
   except OSError as e:  # data_dir not creatable or writable, disk full

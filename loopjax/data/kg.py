@@ -14,10 +14,11 @@ hops; atomic facts are 1 hop), and padding follows it.
 
 import dataclasses
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 
-from loopjax.errors import ConfigError
+from loopjax.data import kg_generate
 
 SPLITS = (
   "train",
@@ -32,19 +33,12 @@ PROBES = SPLITS[1:]
 
 def split_names(task: str, params: dict) -> tuple[str, ...]:
   """The splits a task's generator returns, in order."""
-  if task == "composition":
-    return SPLITS
-  ks = range(2, params["max_hops"] + 1)
-  kinds = ("train", "test", "val") if params.get("val_per_hop") else ("train", "test")
-  return ("atomic", *(f"{s}_k{k}" for k in ks for s in kinds))
+  return KINDS[task].split_names(params)
 
 
 def column_shapes(task: str, params: dict) -> dict[str, tuple[int, ...]]:
   """Each column's per-example shape (all int32)."""
-  if task == "composition":
-    return {"inputs": (3,), "target": (), "bridge": ()}
-  K = params["max_hops"]
-  return {"inputs": (K + 1,), "target": (), "bridges": (K - 1,)}
+  return KINDS[task].column_shapes(params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,18 +103,37 @@ class TaskData:
 def without_examples(data_cfg) -> TaskData:
   """A config's task with its vocabulary and chain length but no examples:
   what building a model needs (ahead-of-time compiles, from the config alone)."""
-  K = data_cfg.max_hops if data_cfg.task == "chains" else 2
+  K = KINDS[data_cfg.task].longest(data_cfg)
   empty = {"inputs": np.zeros((0, K + 1), np.int32), "target": np.zeros(0, np.int32)}
   vocab = Vocab(data_cfg.num_entities, data_cfg.num_relations)
   return TaskData(vocab, {"train": empty}, data_cfg.task, data_cfg.pad_to)
 
 
 def train_split(data: TaskData, max_hops: int) -> Split:
-  """What training samples from: composition's `train`; for chains, the atomic
-  facts and the train chains of up to `max_hops` hops (a curriculum stage),
-  padded to max_hops + 1 tokens only (compute grows with length)."""
-  if data.task == "composition":
-    return data.splits["train"]
+  """What training samples from (see each Kind's `train_split`)."""
+  return KINDS[data.task].train_split(data, max_hops)
+
+
+def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Split]:
+  """The splits evaluations report, none empty (see each Kind's `probes`)."""
+  out = KINDS[data.task].probes(data, train_hops, size)
+  return {n: s for n, s in out.items() if len(s["target"])}
+
+
+def _composition_train(data: TaskData, max_hops: int) -> Split:
+  """Composition trains on its `train` split."""
+  return data.splits["train"]
+
+
+def _composition_probes(data: TaskData, train_hops: int, size: int) -> dict:
+  """Every split but `train`."""
+  return {n: s for n, s in data.splits.items() if n != "train"}
+
+
+def _chains_train(data: TaskData, max_hops: int) -> Split:
+  """The atomic facts and the train chains of up to `max_hops` hops (a
+  curriculum stage), padded to max_hops + 1 tokens only (compute grows with
+  length)."""
   names = ["atomic"] + [f"train_k{k}" for k in range(2, max_hops + 1)]
   return {
     "inputs": np.concatenate([data.splits[n]["inputs"] for n in names])[
@@ -130,16 +143,11 @@ def train_split(data: TaskData, max_hops: int) -> Split:
   }
 
 
-def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Split]:
-  """The splits evaluations report, none empty. Composition: every split but
-  `train`. Chains: every `test_k<k>`; each `val_k<k>` with k <= train_hops
-  (what halting thresholds are tuned on: trained depths only, never the test
-  chains); samples of `size` (fixed, the first after a seeded shuffle) from
-  the atomic facts and from each `train_k<k>` with k <= train_hops
-  (memorization)."""
-  if data.task == "composition":
-    names = [n for n in data.splits if n != "train"]
-    return {n: data.splits[n] for n in names if len(data.splits[n]["target"])}
+def _chains_probes(data: TaskData, train_hops: int, size: int) -> dict:
+  """Every `test_k<k>`; each `val_k<k>` with k <= train_hops (what halting
+  thresholds are tuned on: trained depths only, never the test chains);
+  samples of `size` (fixed, the first after a seeded shuffle) from the atomic
+  facts and from each `train_k<k>` with k <= train_hops (memorization)."""
   out = {}
   for name, split in data.splits.items():
     k = hop_count(name) or 1  # the atomic facts: 1 hop
@@ -150,100 +158,20 @@ def probes(data: TaskData, train_hops: int = 0, size: int = 0) -> dict[str, Spli
         out[name] = split
     elif k <= train_hops:
       out[name] = sample(split, size, seed=k)
-  return {n: s for n, s in out.items() if len(s["target"])}
+  return out
 
 
-def composition(
-  *,
-  num_entities: int,
-  num_relations: int,
-  out_degree: int,
-  ood_ratio: float,
-  p_test_id: float,
-  phi: float,
-  probe_size: int,
-  seed: int,
-) -> TaskData:
-  """Generates the 2-hop composition task; same arguments, same arrays."""
-  E, R, D = num_entities, num_relations, out_degree
-  vocab = Vocab(E, R)
-  rng = np.random.default_rng(seed)
-  # Atomic fact a = h * D + i is (h, rel_A[a]) -> tail_A[a].
-  rel_A = (E + np.argsort(rng.random((E, R)), axis=1)[:, :D]).ravel()
-  tail_A = rng.integers(0, E, E * D)
-  ood_A = np.zeros(E * D, bool)
-  ood_A[rng.choice(E * D, round(ood_ratio * E * D), replace=False)] = True
-
-  # Chain c = a1 * D + j follows a1 with the j-th fact of its tail entity.
-  hop1_C = np.repeat(np.arange(E * D), D)
-  hop2_C = (tail_A[:, None] * D + np.arange(D)).ravel()
-  ood1_C, ood2_C = ood_A[hop1_C], ood_A[hop2_C]
-  both_id_C = ~ood1_C & ~ood2_C
-  held_out_C = rng.random(len(hop1_C)) < p_test_id
-  pool_ood = np.flatnonzero(ood1_C & ood2_C)
-  pool_test_id = np.flatnonzero(both_id_C & held_out_C)
-  pool_train = np.flatnonzero(both_id_C & ~held_out_C)
-
-  atomic_id, atomic_ood = np.flatnonzero(~ood_A), np.flatnonzero(ood_A)
-  wanted = phi * len(atomic_id)  # compared as a float: a huge phi overflows round()
-  if wanted >= len(pool_train) + 0.5:
-    raise ConfigError(
-      f"data.phi: {phi} asks for {wanted:.6g} inferred training facts but only "
-      f"{len(pool_train)} exist; use at most {len(pool_train) / len(atomic_id):.6g}"
-    )
-  train_inferred = rng.choice(pool_train, round(wanted), replace=False)
-
-  no_hop = np.full(E * D, -1)
-  train = _shuffle(
-    rng,
-    (
-      np.concatenate([np.arange(E * D), hop1_C[train_inferred]]),
-      np.concatenate([no_hop, hop2_C[train_inferred]]),
-    ),
-  )
-  probes = {
-    "id_atomic": (atomic_id, no_hop[atomic_id]),
-    "ood_atomic": (atomic_ood, no_hop[atomic_ood]),
-    "train_inferred": (hop1_C[train_inferred], hop2_C[train_inferred]),
-    "test_inferred_id": (hop1_C[pool_test_id], hop2_C[pool_test_id]),
-    "test_inferred_ood": (hop1_C[pool_ood], hop2_C[pool_ood]),
-  }
-  pairs = {"train": train} | {
-    name: _sample(rng, pair, probe_size) for name, pair in probes.items()
-  }
-  return TaskData(
-    vocab,
-    {
-      name: _examples(hop1, hop2, rel_A, tail_A, D, vocab)
-      for name, (hop1, hop2) in pairs.items()
-    },
-    "composition",
-  )
+def _chains_splits(params: dict) -> tuple[str, ...]:
+  ks = range(2, params["max_hops"] + 1)
+  kinds = ("train", "test", "val") if params.get("val_per_hop") else ("train", "test")
+  return ("atomic", *(f"{s}_k{k}" for k in ks for s in kinds))
 
 
-def _shuffle(rng, pair):
-  order = rng.permutation(len(pair[0]))
-  return pair[0][order], pair[1][order]
-
-
-def _sample(rng, pair, size):
-  keep = rng.choice(len(pair[0]), min(size, len(pair[0])), replace=False)
-  return pair[0][keep], pair[1][keep]
-
-
-def _examples(hop1_N, hop2_N, rel_A, tail_A, D, vocab) -> Split:
-  """Facts as atomic-fact indices (hop2 = -1 for an atomic fact) -> token arrays."""
-  atomic_N = hop2_N < 0
-  last_N = np.where(atomic_N, hop1_N, hop2_N)
-  inputs_N3 = np.stack(
-    [hop1_N // D, rel_A[hop1_N], np.where(atomic_N, vocab.pad_id, rel_A[last_N])],
-    axis=1,
-  )
-  return {
-    "inputs": inputs_N3.astype(np.int32),
-    "target": tail_A[last_N].astype(np.int32),
-    "bridge": np.where(atomic_N, -1, tail_A[hop1_N]).astype(np.int32),
-  }
+def composition(**params) -> TaskData:
+  """Generates the 2-hop composition task; same arguments, same arrays
+  (kg_generate.py)."""
+  vocab = Vocab(params["num_entities"], params["num_relations"])
+  return TaskData(vocab, kg_generate.composition(vocab=vocab, **params), "composition")
 
 
 def first_bridge(split: Split) -> np.ndarray:
@@ -281,86 +209,73 @@ def fingerprint(data: TaskData) -> str:
   return h.hexdigest()
 
 
-def chains(
-  *,
-  num_entities: int,
-  num_relations: int,
-  max_hops: int,
-  train_per_hop: int,
-  test_per_hop: int,
-  seed: int,
-  val_per_hop: int = 0,
-) -> TaskData:
-  """k-hop chains (LTG's depth extrapolation) as int arrays, the same for the same
-  arguments.
-
-  Every relation is a random permutation of the entities, so each hop is a
-  bijection and every (h, r1..rk) has exactly one answer. Splits: "atomic" (all
-  E x R facts, in training) and, per k = 2..max_hops, unique chains split into
-  "train_k<k>" and "test_k<k>" and, with `val_per_hop`, "val_k<k>" (all
-  three disjoint; the validation chains drawn after the others from their own
-  stream, so adding them leaves train and test as they were). "inputs"
-  (N, max_hops + 1): [h, r1..rk, pad...], the answer read at the last real
-  token (position k); "bridges" (N, max_hops - 1): the intermediate entities
-  b_1..b_{k-1}, -1 after them.
-  """
-  E, R, K = num_entities, num_relations, max_hops
-  vocab = Vocab(E, R)
-  rng = np.random.default_rng(seed)
-  tail_RE = np.argsort(rng.random((R, E)), axis=1)  # tail_RE[r, h]: r(h)
-  h_A, r_A = np.divmod(np.arange(E * R), R)
-  splits = {"atomic": _chain_examples(h_A, r_A[:, None], tail_RE, K, vocab)}
-  val_rng = np.random.default_rng([seed, 1])  # its own stream: train, test as ever
-  for k in range(2, K + 1):
-    n = train_per_hop + test_per_hop
-    if n + val_per_hop > E * R**k:  # Python ints: no overflow for long chains
-      raise ConfigError(
-        f"data.train_per_hop: {k}-hop chains number {E * R**k}; "
-        f"{n} train + test"
-        + (f" + {val_per_hop} val" if val_per_hop else "")
-        + " asked for"
-      )
-    walks = _unique_walks(rng, E, R, k, n)
-    ex = _chain_examples(walks[:, 0], walks[:, 1:], tail_RE, K, vocab)
-    splits[f"train_k{k}"] = {name: a[:train_per_hop] for name, a in ex.items()}
-    splits[f"test_k{k}"] = {name: a[train_per_hop:] for name, a in ex.items()}
-    if val_per_hop:
-      val_walks = _unique_walks(val_rng, E, R, k, val_per_hop, taken=walks)
-      splits[f"val_k{k}"] = _chain_examples(
-        val_walks[:, 0], val_walks[:, 1:], tail_RE, K, vocab
-      )
-  return TaskData(vocab, splits, "chains")
+def chains(**params) -> TaskData:
+  """k-hop chains (LTG's depth extrapolation), the same for the same
+  arguments (kg_generate.py)."""
+  vocab = Vocab(params["num_entities"], params["num_relations"])
+  return TaskData(vocab, kg_generate.chains(vocab=vocab, **params), "chains")
 
 
-def _unique_walks(rng, E: int, R: int, k: int, n: int, taken=None):
-  """n distinct (h, r1..rk), uniformly at random and none of `taken`'s rows,
-  as rows (n, k + 1)."""
-  rows = np.zeros((0, k + 1), np.int64) if taken is None else taken.astype(np.int64)
-  first_new, want = len(rows), len(rows) + n
-  while len(rows) < want:
-    m = 2 * (want - len(rows)) + 16
-    more = np.concatenate(
-      [rng.integers(0, E, (m, 1)), rng.integers(0, R, (m, k))], axis=1
-    )
-    rows = np.concatenate([rows, more])
-    _, first = np.unique(rows, axis=0, return_index=True)
-    rows = rows[np.sort(first)]  # first occurrences in draw order: deterministic
-  return rows[first_new:want]
+@dataclasses.dataclass(frozen=True)
+class Kind:
+  """What differs between the knowledge-graph tasks' data, as a record: the
+  shared functions above look a task's up by its name (`KINDS`) instead of
+  asking which task they serve. A new task is a Kind and one line there."""
+
+  name: str  # data.task, and the TFDS builder's
+  generate: Callable[..., TaskData]  # the generator (its arguments: `params`)
+  params: dict  # generator argument -> its type, read from the `data` section
+  config_name: str  # the TFDS builder config's name, formatted from params
+  split_names: Callable[[dict], tuple[str, ...]]  # params -> the splits, in order
+  column_shapes: Callable[[dict], dict]  # params -> each column's shape
+  longest: Callable  # data config -> the longest chain (hops)
+  train_split: Callable[[TaskData, int], Split]
+  probes: Callable[[TaskData, int, int], dict]
 
 
-def _chain_examples(h_N, rels_Nk, tail_RE, K: int, vocab: Vocab) -> Split:
-  N, k = rels_Nk.shape
-  walk = [h_N]
-  for j in range(k):
-    walk.append(tail_RE[rels_Nk[:, j], walk[-1]])
-  inputs = np.full((N, K + 1), vocab.pad_id)
-  inputs[:, 0] = h_N
-  inputs[:, 1 : k + 1] = vocab.num_entities + rels_Nk
-  bridges = np.full((N, max(K - 1, 0)), -1)
-  if k > 1:
-    bridges[:, : k - 1] = np.stack(walk[1:k], 1)
-  return {
-    "inputs": inputs.astype(np.int32),
-    "target": walk[-1].astype(np.int32),
-    "bridges": bridges.astype(np.int32),
-  }
+COMPOSITION = Kind(
+  "composition",
+  composition,
+  {
+    "num_entities": int,
+    "num_relations": int,
+    "out_degree": int,
+    "ood_ratio": float,
+    "p_test_id": float,
+    "phi": float,
+    "probe_size": int,
+    "seed": int,
+  },
+  "e{num_entities}_r{num_relations}_d{out_degree}_ood{ood_ratio!r}"
+  "_pt{p_test_id!r}_phi{phi!r}_n{probe_size}_s{seed}",
+  split_names=lambda params: SPLITS,
+  column_shapes=lambda params: {"inputs": (3,), "target": (), "bridge": ()},
+  longest=lambda data_cfg: 2,
+  train_split=_composition_train,
+  probes=_composition_probes,
+)
+CHAINS = Kind(
+  "chains",
+  chains,
+  {
+    "num_entities": int,
+    "num_relations": int,
+    "max_hops": int,
+    "train_per_hop": int,
+    "test_per_hop": int,
+    "val_per_hop": int,
+    "seed": int,
+  },
+  "e{num_entities}_r{num_relations}_k{max_hops}_n{train_per_hop}"
+  "_t{test_per_hop}_v{val_per_hop}_s{seed}",
+  split_names=_chains_splits,
+  column_shapes=lambda params: {
+    "inputs": (params["max_hops"] + 1,),
+    "target": (),
+    "bridges": (params["max_hops"] - 1,),
+  },
+  longest=lambda data_cfg: data_cfg.max_hops,
+  train_split=_chains_train,
+  probes=_chains_probes,
+)
+KINDS = {k.name: k for k in (COMPOSITION, CHAINS)}

@@ -20,21 +20,25 @@ import dataclasses
 import fcntl
 import functools
 import hashlib
-import re
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
 from loopjax.data import corpus as corpus_lib
-from loopjax.data import packing, pipeline, tfds_kg
+from loopjax.data import packing, pipeline, tfds_store
+from loopjax.data.tokenizer import (  # noqa: F401 (lm.X: the task's API)
+  SPECIALS,
+  decode,
+  embeds,
+  encode,
+  given,
+  padded,
+  special_ids,
+  tokenizer_from_json,
+  train_tokenizer,
+)
 from loopjax.errors import ConfigError
-
-SPECIALS = ("<pad>", "<bos>", "<eos>")  # ids 0, 1, 2 of a trained tokenizer
-# Names other tokenizers give the same tokens, first match wins.
-_BOS = ("<bos>", "<s>", "<|begin_of_text|>", "<|begin_text|>", "<|endoftext|>")
-_EOS = ("<eos>", "</s>", "<|end_of_text|>", "<|end_text|>", "<|endoftext|>")
-_PAD = ("<pad>", "<|pad|>", "[PAD]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,107 +85,6 @@ class LmData:
 
 
 # --- the tokenizer -------------------------------------------------------------
-
-
-def tokenizer_from_json(text: str):
-  from tokenizers import Tokenizer
-
-  return Tokenizer.from_str(text)
-
-
-def train_tokenizer(docs, vocab_size: int) -> str:
-  """A byte-level BPE (every byte a token: any text encodes) as tokenizer.json."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(
-    vocab_size=vocab_size,
-    special_tokens=list(SPECIALS),
-    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    show_progress=False,
-  )
-  split = []
-  tok.train_from_iterator(
-    (piece for _, text in docs for piece in _bounded(text, split)), trainer=trainer
-  )
-  if split:
-    print(
-      f"tokenizer: {len(split)} run(s) without whitespace (longest "
-      f"{max(split):,} characters) learned from in {LONGEST_WORD:,}-character pieces"
-    )
-  return tok.to_str()
-
-
-# BPE's training time grows with the square of a pre-token's length (a 10 MB
-# line without whitespace: past 600 s); no word of a text is this long.
-LONGEST_WORD = 1000
-
-
-def _bounded(text: str, split: list):
-  """`text` for the BPE trainer, a run of non-whitespace longer than
-  LONGEST_WORD cut into pieces of that length (the rest of the text as it is);
-  each such run's length is appended to `split`."""
-  start = 0
-  for run in re.finditer(rf"\S{{{LONGEST_WORD + 1},}}", text):
-    split.append(run.end() - run.start())
-    cuts = range(run.start() + LONGEST_WORD, run.end(), LONGEST_WORD)
-    for cut in cuts:
-      yield text[start:cut]
-      start = cut
-  yield text[start:]
-
-
-def _given_tokenizer(path: str, vocab_size: int) -> str:
-  p = Path(path).expanduser()
-  try:
-    text = p.read_text()
-    tok = tokenizer_from_json(text)
-  except Exception as e:  # missing, unreadable, or not a tokenizer.json
-    raise ConfigError(
-      f"data.tokenizer: {p} does not load as a tokenizer.json ({type(e).__name__})"
-    ) from None
-  n = tok.get_vocab_size()
-  if not embeds(n, vocab_size):
-    raise ConfigError(
-      f"data.tokenizer: {p} has {n} tokens but data.vocab_size is {vocab_size}; "
-      f"set data.vocab_size={n} (or up to {padded(n)}: an embedding padded to a "
-      f"multiple of {PAD_MULTIPLE})"
-    )
-  return text
-
-
-PAD_MULTIPLE = 128  # embeddings padded past their tokenizer (OLMo 2: 100278 -> 100352)
-
-
-def padded(n: int) -> int:
-  """n tokens' embedding rows rounded up to a multiple of PAD_MULTIPLE."""
-  return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
-
-
-def embeds(n: int, rows: int) -> bool:
-  """Whether an embedding of `rows` is one for a tokenizer of n tokens: as
-  many rows, or padded up to a multiple of PAD_MULTIPLE (a larger gap is a
-  tokenizer from another model). Training checks this; running a pretrained
-  model needs only rows >= n (`lm.prompts`)."""
-  return n <= rows <= padded(n)
-
-
-def special_ids(tokenizer_json: str, where: str) -> tuple[int, int, int]:
-  """(pad, bos, eos) ids; pad falls back to eos (padding is masked anyway)."""
-  tok = tokenizer_from_json(tokenizer_json)
-
-  def find(names):
-    return next((i for n in names if (i := tok.token_to_id(n)) is not None), None)
-
-  bos, eos, pad = find(_BOS), find(_EOS), find(_PAD)
-  if eos is None or bos is None:
-    raise ConfigError(
-      f"data.tokenizer: {where} has no {'end' if eos is None else 'beginning'}"
-      f"-of-document token (one of {', '.join(_EOS if eos is None else _BOS)})"
-    )
-  return (eos if pad is None else pad), bos, eos
 
 
 def _sha(text: str) -> str:
@@ -279,7 +182,7 @@ def _locked(root: Path, name: str):
 def tokenizer(data_cfg, corpus) -> str:
   """The tokenizer.json text: data.tokenizer, or trained once per corpus."""
   if data_cfg.tokenizer:
-    return _given_tokenizer(data_cfg.tokenizer, data_cfg.vocab_size)
+    return given(data_cfg.tokenizer, data_cfg.vocab_size)
   root = Path(data_cfg.data_dir).expanduser() / "lm_tokenizers"
   name = f"bpe_{corpus.fingerprint[:16]}_v{data_cfg.vocab_size}"
   path = root / f"{name}.json"
@@ -295,6 +198,7 @@ def tokenizer(data_cfg, corpus) -> str:
 def read(data_cfg) -> LmData:
   """The corpus tokenized (preparing it once), as streams, fingerprint-checked."""
   corpus = corpus_lib.load(data_cfg)
+  _fits(corpus, data_cfg)  # before a tokenizer is trained or TFDS prepares
   tok_json = tokenizer(data_cfg, corpus)
   pad, bos, eos = special_ids(tok_json, data_cfg.tokenizer or "the trained tokenizer")
   name = (
@@ -309,7 +213,7 @@ def read(data_cfg) -> LmData:
     valid_fraction=float(data_cfg.valid_fraction),
     seed=int(data_cfg.seed),
   )
-  builder = tfds_kg.prepare_once(
+  builder = tfds_store.prepare_once(
     root, f"lm_tokens_{name}", lambda: LmTokens(config=config, data_dir=root)
   )
   if not (beside := Path(builder.data_dir) / "tokenizer.json").exists():
@@ -359,6 +263,22 @@ def read(data_cfg) -> LmData:
   return data
 
 
+def _fits(corpus, data_cfg) -> None:
+  """The checks a corpus fails before it is tokenized: too few documents to
+  hold one out, or a split whose every byte as a token (more than any
+  tokenizer makes, specials included) is less than one sequence. The exact
+  count, after tokenizing, is `read`'s."""
+  n = int(data_cfg.seq_len) + 1
+  for split, docs in held_out(corpus, data_cfg.valid_fraction, data_cfg.seed).items():
+    most = sum(len(text.encode()) + 8 for _, text in docs)
+    if most < n:
+      raise ConfigError(
+        f"data.seq_len: the {split} split of {corpus.source} has {len(docs)} "
+        f"document(s), at most {most} tokens, fewer than one sequence of "
+        f"{n - 1} + 1; use a shorter data.seq_len or a larger corpus"
+      )
+
+
 def _rows(data_cfg, tokenizer_json: str) -> int:
   """The embedding's rows: a given tokenizer's data.vocab_size (which may pad
   it, `padded`), else the tokenizer's size."""
@@ -388,14 +308,6 @@ def without_streams(data_cfg, tokenizer_json: str | None = None) -> LmData:
     streams={},
     fingerprint="",
   )
-
-
-def encode(tokenizer_json: str, text: str) -> list[int]:
-  return tokenizer_from_json(tokenizer_json).encode(text).ids
-
-
-def decode(tokenizer_json: str, ids) -> str:
-  return tokenizer_from_json(tokenizer_json).decode(list(map(int, ids)))
 
 
 def train_iterator(data: LmData, batch_size: int, seed: int, shard=(0, 1)):

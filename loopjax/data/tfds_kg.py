@@ -2,72 +2,18 @@
 
 Preparing once and reading back with random access (no TensorFlow) lets every run
 and host share the same bytes; the stored fingerprint catches corruption. One
-builder per task (`composition`, `chains`); a builder config is named by every
+builder per task (`kg.KINDS`); a builder config is named by every
 argument of the task's generator, so different settings never share files.
 """
 
 import dataclasses
-import fcntl
-import logging
-import sys
 from pathlib import Path
 
 import numpy as np
 import tensorflow_datasets as tfds
 
-from loopjax.data import kg
-from loopjax.errors import ConfigError, first_line
-
-
-class _NoCustomConfigWarning(logging.Filter):
-  """TFDS warns about every builder config it does not predefine; ours never
-  are (one per generator argument set), so the warning is noise on every run."""
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    return not record.getMessage().startswith("Using custom data configuration")
-
-
-logging.getLogger("absl").addFilter(_NoCustomConfigWarning())
-
-
-@dataclasses.dataclass(frozen=True)
-class _Task:
-  generate: object  # kg.composition or kg.chains
-  params: dict  # the generator's arguments, read from the `data` config section
-  name: str  # the builder config's name, formatted from params
-
-
-TASKS = {
-  "composition": _Task(
-    kg.composition,
-    {
-      "num_entities": int,
-      "num_relations": int,
-      "out_degree": int,
-      "ood_ratio": float,
-      "p_test_id": float,
-      "phi": float,
-      "probe_size": int,
-      "seed": int,
-    },
-    "e{num_entities}_r{num_relations}_d{out_degree}_ood{ood_ratio!r}"
-    "_pt{p_test_id!r}_phi{phi!r}_n{probe_size}_s{seed}",
-  ),
-  "chains": _Task(
-    kg.chains,
-    {
-      "num_entities": int,
-      "num_relations": int,
-      "max_hops": int,
-      "train_per_hop": int,
-      "test_per_hop": int,
-      "val_per_hop": int,
-      "seed": int,
-    },
-    "e{num_entities}_r{num_relations}_k{max_hops}_n{train_per_hop}"
-    "_t{test_per_hop}_v{val_per_hop}_s{seed}",
-  ),
-}
+from loopjax.data import kg, tfds_store
+from loopjax.errors import ConfigError
 
 
 @dataclasses.dataclass(eq=False)
@@ -79,11 +25,11 @@ class _Builder:
   """What both builders share; bump a builder's VERSION whenever its generator's
   output changes."""
 
-  TASK: str
+  KIND: kg.Kind
 
   def _info(self) -> tfds.core.DatasetInfo:
     params = self.builder_config.params
-    shapes = kg.column_shapes(self.TASK, params)
+    shapes = self.KIND.column_shapes(params)
     features = {
       key: tfds.features.Tensor(shape=shape, dtype=np.int32)
       for key, shape in shapes.items()
@@ -99,7 +45,7 @@ class _Builder:
 
   def _split_generators(self, dl_manager):
     del dl_manager  # nothing to download
-    data = TASKS[self.TASK].generate(**self.builder_config.params)
+    data = self.KIND.generate(**self.builder_config.params)
     self.info.metadata["fingerprint"] = kg.fingerprint(data)
     # TFDS cannot write an empty split; read() restores missing ones as empty.
     return {
@@ -116,33 +62,33 @@ class _Builder:
 class KgComposition(_Builder, tfds.core.GeneratorBasedBuilder):
   """kg.composition's splits."""
 
-  TASK = "composition"
+  KIND = kg.COMPOSITION
   VERSION = tfds.core.Version("1.0.0")
 
 
 class KgChains(_Builder, tfds.core.GeneratorBasedBuilder):
   """kg.chains's splits."""
 
-  TASK = "chains"
+  KIND = kg.CHAINS
   VERSION = tfds.core.Version("1.0.0")
 
 
-_BUILDERS = {b.TASK: b for b in (KgComposition, KgChains)}
+_BUILDERS = {b.KIND.name: b for b in (KgComposition, KgChains)}
 
 
 def params(data_cfg) -> dict:
   """The task generator's arguments from the `data` config section."""
-  return {k: cast(data_cfg[k]) for k, cast in TASKS[data_cfg.task].params.items()}
+  return {k: cast(data_cfg[k]) for k, cast in kg.KINDS[data_cfg.task].params.items()}
 
 
 def generate(data_cfg) -> kg.TaskData:
   """The task in memory, without TFDS (benchmarks, tests)."""
-  return TASKS[data_cfg.task].generate(**params(data_cfg))
+  return kg.KINDS[data_cfg.task].generate(**params(data_cfg))
 
 
 def config_name(data_cfg) -> str:
   """Names the dataset by every generator argument, exactly (floats by repr)."""
-  return TASKS[data_cfg.task].name.format(**params(data_cfg))
+  return kg.KINDS[data_cfg.task].config_name.format(**params(data_cfg))
 
 
 def _builder(data_cfg):
@@ -155,32 +101,7 @@ def _builder(data_cfg):
 def _prepared(data_cfg):
   root = Path(data_cfg.data_dir).expanduser()
   name = f"{data_cfg.task}_{config_name(data_cfg)}"
-  return prepare_once(root, name, lambda: _builder(data_cfg))
-
-
-def prepare_once(root: Path, name: str, make_builder):
-  """`make_builder()`'s dataset, prepared (array_record) unless root holds it,
-  under an exclusive file lock `root/<name>.lock`: parallel runs share one
-  data_dir and prepare it once."""
-  root.mkdir(parents=True, exist_ok=True)
-  with open(root / f"{name}.lock", "w") as lock:
-    fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-    builder = make_builder()
-    if not builder.is_prepared():
-      bars = sys.stderr.isatty()  # logs (SLURM, nohup): no carriage-return bars
-      tfds.display_progress_bar(bars)
-      try:
-        builder.download_and_prepare(file_format="array_record")
-      except (OSError, RuntimeError) as e:  # array_record: RuntimeError("write()..")
-        if isinstance(e, RuntimeError) and "write" not in str(e):
-          raise
-        raise ConfigError(
-          f"data.data_dir={root}: cannot write the dataset ({first_line(e, 160)}); "
-          "free space there or give another data.data_dir"
-        ) from None
-      finally:
-        tfds.display_progress_bar(True)  # TFDS's default
-  return builder
+  return tfds_store.prepare_once(root, name, lambda: _builder(data_cfg))
 
 
 def prepare(data_cfg) -> Path:

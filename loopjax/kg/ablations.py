@@ -13,8 +13,8 @@ import numpy as np
 from etils import epath
 
 from loopjax import metrics
-from loopjax.analysis import mechanistic_figures
-from loopjax.analysis.mechanistic_figures import main_result
+from loopjax.analysis import mechanistic_tables
+from loopjax.analysis.mechanistic_tables import main_result
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.workdir import run_config
 
@@ -83,7 +83,7 @@ def table(rows: list[dict]) -> str:
       r["run"],
       f"{r['L']} x {r['R']}",
       *(_num(acc.get(k)) for k in (1, 2, 4)),
-      mechanistic_figures.fixed_cell(r) if conv else "-",
+      mechanistic_tables.fixed_cell(r) if conv else "-",
       _profile(r["profile"]) if "profile" in r else "-",
       _attention_cell(r),
       _num(r.get("bridge_mrr")),

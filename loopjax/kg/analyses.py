@@ -12,11 +12,12 @@ from loopjax.analysis import (
   logit_lens,
 )
 from loopjax.analysis import mechanistic_figures as mf
+from loopjax.analysis import mechanistic_tables as mt
 from loopjax.analysis.record import Analysis
 from loopjax.kg import overthinking
 
 OVERTHINKING = Analysis(
-  compute=overthinking.curves,  # (model, probes, config, pad)
+  compute=overthinking.curves,
   table=figures.overthinking_table,
   plot=figures.overthinking,
   summary=figures.overthinking_summary,
@@ -31,36 +32,36 @@ LOGIT_LENS = Analysis(
   per_example=lambda model, trace, batch, pad: logit_lens.per_example(
     model, trace, batch
   ),
-  summarize=lambda ex, config, split: logit_lens.summarize(
-    ex["logit_lens"], split["bridge"]
+  summarize=lambda ex, inputs: logit_lens.summarize(
+    ex["logit_lens"], inputs.split["bridge"]
   ),
   phases=True,
-  table=mf.lens_table,
+  table=mt.lens_table,
   plot=mf.logit_lens,
-  summary=mf.lens_summary,
+  summary=mt.lens_summary,
 )
 FIXED_POINTS = Analysis(
   per_example=fixed_points.per_example,
   summarize=fixed_points.from_pass,
-  table=mf.fixed_points_table,
+  table=mt.fixed_points_table,
   plot=mf.fixed_points,
-  summary=mf.fixed_points_summary,
+  summary=mt.fixed_points_summary,
 )
 ATTENTION = Analysis(
   per_example=lambda model, trace, batch, pad: attention.per_example(trace, batch, pad),
-  summarize=lambda ex, config, split: attention.summarize(ex["attention"]),
-  table=mf.attention_table,
+  summarize=lambda ex, inputs: attention.summarize(ex["attention"]),
+  table=mt.attention_table,
   plot=mf.attention,
-  summary=mf.attention_summary,
+  summary=mt.attention_summary,
 )
 ACTIVATIONS = Analysis(
   per_example=lambda model, trace, batch, pad: activations.per_example(
     trace, batch, pad
   ),
-  summarize=lambda ex, config, split: activations.summarize(
-    ex["activations"], config.model.d_model
+  summarize=lambda ex, inputs: activations.summarize(
+    ex["activations"], inputs.config.model.d_model
   ),
-  table=mf.activations_table,
+  table=mt.activations_table,
   plot=mf.activations,
-  summary=mf.activations_summary,
+  summary=mt.activations_summary,
 )

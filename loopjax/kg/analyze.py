@@ -2,7 +2,7 @@
 
 Writes `workdir/analysis/<name>.json` (with the step and data fingerprint),
 `<name>.md` (a table) and `<name>.png`. Analyses are pure functions of the
-restored params and the probe splits (`data.probes`); nothing here trains or
+restored params and the probe splits (`kg.probes`); nothing here trains or
 moves a checkpoint. Each is a record found by name (kg/spec.py's
 ANALYSES, records in kg/analyses.py). The shared ones (logit lens, fixed points,
 attention, massive activations) read one traced forward pass per batch
@@ -10,14 +10,16 @@ attention, massive activations) read one traced forward pass per batch
 runs on each grokking phase's checkpoint (`analyze.lens_phases`).
 """
 
+import dataclasses
 import functools
 
 import jax
 from etils import epath
 
-from loopjax import checkpoint, data, restore, sharding
+from loopjax import checkpoint, restore, sharding
 from loopjax import config as config_lib
 from loopjax.analysis import registry
+from loopjax.analysis.record import Inputs
 from loopjax.data import kg, pipeline
 from loopjax.errors import first_line
 from loopjax.kg import spec
@@ -40,7 +42,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
   checkpoint. Every process computes (the model may span them all); process
   0 writes, and returns the paths."""
   workdir, out_dir = epath.Path(workdir), epath.Path(out_dir)
-  probes = data.probes(task, config.data.train_hops, config.data.probe_size)
+  probes = kg.probes(task, config.data.train_hops, config.data.probe_size)
   pad, names = task.vocab.pad_id, config_lib.analyses(config)
   records = {n: registry.record(spec.ANALYSES, n) for n in names}
   writes = sharding.writes()
@@ -53,8 +55,9 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
     "main_split": main_split,
   }
   traced, shared = {}, registry.shared(spec.ANALYSES, names)
+  inputs = Inputs(config, eval_key(config), task, probes)
   if shared:
-    traced = trace_all(config, traced_step(config, pad, shared), model, probes, pad)
+    traced = trace_all(inputs, traced_step(config, pad, shared), model)
   asked = config.analyze.lens_phases and phases
   phased = [n for n in shared if records[n].phases] if asked else []
   mesh = sharding.mesh_of(model.params)  # the phases' checkpoints go there too
@@ -64,7 +67,7 @@ def run(config, workdir, task, model: Model, step: int, out_dir, main_split, pha
     if name in shared:
       result = traced[name]
     else:
-      result = record.compute(model, probes, config, pad)
+      result = record.compute(model, inputs)
     report = head | {name: result}
     if name in phased:
       report["phases"] = [
@@ -97,23 +100,26 @@ def _traced(weights: Model, batch, key, *, depth: int, names: tuple, pad: int):
   }
 
 
-def trace_all(config, step, model: Model, probes, pad) -> dict:
-  """{name: {split: summary}} from `traced_step`'s per-example results."""
+def trace_all(inputs: Inputs, step, model: Model) -> dict:
+  """{name: {split: summary}} from `traced_step`'s per-example results on
+  each of `inputs.probes`."""
+  config, task = inputs.config, inputs.task
   feed, out = sharding.Feed.like(model.params, config.sharding.rules), {}
-  for split_name, split in probes.items():
+  for split_name, split in inputs.probes.items():
     split = split | {"bridge": kg.first_bridge(split)}
     ex = pipeline.map_batches(
       lambda b: step(model, b),
       split,
       feed.size(config.analyze.batch_size),
-      pad,
+      task.vocab.pad_id,
       columns=("bridge",),
-      pad_to=config.data.pad_to,
+      pad_to=task.pad_to,
       put=feed.put,
     )
+    at = dataclasses.replace(inputs, split=split)
     for name in ex:
       record = registry.record(spec.ANALYSES, name)
-      out.setdefault(name, {})[split_name] = record.summarize(ex, config, split)
+      out.setdefault(name, {})[split_name] = record.summarize(ex, at)
   return out
 
 
@@ -127,6 +133,7 @@ def lens_phases(
   pad = task.vocab.pad_id
   out, step_fn = [], traced_step(config, pad, names)  # compiled once
   reader = restore.Reader(config, workdir, task, mesh)
+  inputs = Inputs(config, eval_key(config), task, probes)
   try:
     for phase, step in sorted(Workdir(workdir).reached().items(), key=lambda x: x[1]):
       gone = not (workdir / "checkpoints" / str(step)).is_dir()
@@ -137,7 +144,7 @@ def lens_phases(
       except Exception as e:  # noqa: BLE001 - a damaged checkpoint: the others count
         print(f"logit lens: phase {phase} left out: {first_line(e)}")
         continue
-      lens = trace_all(config, step_fn, model, probes, pad)
+      lens = trace_all(inputs, step_fn, model)
       out.append({"phase": phase, "step": step, **lens})
   finally:
     reader.close()

@@ -8,17 +8,17 @@ run rebuilds the stage's split before seeking in it.
 
 import jax.numpy as jnp
 
-from loopjax import data
-from loopjax.data import pipeline
+from loopjax.data import kg, pipeline
 from loopjax.errors import ConfigError
+from loopjax.kg import source
 
 
 def load(config):
-  """The chains' data (`data.knowledge_graph`), checked for what validation cannot see
+  """The chains' data (`source.knowledge_graph`), checked for what validation cannot see
   before they are loaded (the papers' files fix their own hop counts): the
   hops to train on and the held-out chains each curriculum stage advances on
   must exist."""
-  task = data.knowledge_graph(config.data)
+  task = source.knowledge_graph(config.data)
   if config.data.train_hops > task.max_hops:
     raise ConfigError(
       f"data.train_hops: must be <= the data's longest chain ({task.max_hops} "
@@ -41,13 +41,13 @@ def train_iterator(config, task, shard=(0, 1)):
 
   def make(max_hops=config.data.train_hops):
     return pipeline.train_iterator(
-      data.train_split(task, max_hops),
+      kg.train_split(task, max_hops),
       config.train.batch_size,
       config.seed,
       task.vocab.pad_id,
       config.data.atomic_repeat,
       shard,
-      config.data.pad_to,
+      task.pad_to,
     )
 
   cur = config.train.curriculum
@@ -92,14 +92,36 @@ def lr_scale(config, stage: int):
 def enter(state, stage: int, tx, config):
   """The train state for a new stage: its number, a fresh optimizer state with
   `reset_optimizer`, and the stage's `lr_scale` in the optimizer's last
-  transform (`state.make_optimizer`): the jitted step knows no stages."""
+  transform (`state.make_optimizer`): the jitted step knows no stages but
+  the last (`last_stage_scale`), whose decay counts from `stage_start`."""
   opt_state = state["opt_state"]
   if config.train.curriculum.reset_optimizer:
     opt_state = tx.init(state["params"])
   *inner, scale = opt_state
   hyper = scale.hyperparams | {"step_size": lr_scale(config, stage)}
   opt_state = (*inner, scale._replace(hyperparams=hyper))
-  return state | {"stage": jnp.int32(stage), "opt_state": opt_state}
+  out = state | {"stage": jnp.int32(stage), "opt_state": opt_state}
+  if "stage_start" in state:  # a new array: the step donates each once
+    out["stage_start"] = jnp.int32(int(state["step"]))
+  return out
+
+
+def last_stage_scale(config, state):
+  """The updates' multiplier in the last stage (data.train_hops), traced in
+  the step: a cosine from 1 to `last_stage_lr` over `last_stage_steps` steps
+  from the step the stage began (`state["stage_start"]`), then flat; 1 in
+  the other stages; None where the config asks for none. Why: the last
+  stage runs longest, and the answers deeper than trained swing at its
+  full lr (docs/results/extrapolation.md)."""
+  cur = config.train.curriculum
+  if not cur.enabled or (cur.last_stage_lr == 1 and not cur.last_stage_steps):
+    return None
+  low = jnp.float32(cur.last_stage_lr)
+  if cur.last_stage_steps:
+    t = (state["step"] - state["stage_start"]).astype(jnp.float32)
+    done = jnp.clip(t / cur.last_stage_steps, 0.0, 1.0)
+    low = low + (1.0 - low) * 0.5 * (1.0 + jnp.cos(jnp.pi * done))
+  return jnp.where(state["stage"] == config.data.train_hops, low, jnp.float32(1.0))
 
 
 def stages_summary(phases: dict, config) -> str:

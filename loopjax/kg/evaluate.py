@@ -10,7 +10,7 @@ entropy per iteration) cost one compiled program and one pass over the data.
 import jax
 import optax
 
-from loopjax import data, sharding
+from loopjax import sharding
 from loopjax.data import kg, pipeline
 from loopjax.kg import depth
 from loopjax.state import Model, eval_key
@@ -50,7 +50,7 @@ def eval_step(config, graphdef, deepest: int, mesh=None, param_shardings=None):
 
 
 class Evaluator:
-  """Evaluates params on the task's probe splits (`data.probes`)."""
+  """Evaluates params on the task's probe splits (`kg.probes`)."""
 
   def __init__(
     self,
@@ -68,8 +68,8 @@ class Evaluator:
     self.R, self.halting = config.model.num_loops, halting
     self.depths = sorted({int(d) for d in depths} | {self.R})
     deepest = max(self.depths[-1], halting.r_max if halting else 0)
-    self.probes = data.probes(task, config.data.train_hops, config.data.probe_size)
-    self.pad, self.pad_to = task.vocab.pad_id, config.data.pad_to
+    self.probes = kg.probes(task, config.data.train_hops, config.data.probe_size)
+    self.pad, self.pad_to = task.vocab.pad_id, task.pad_to
     longest = max((len(v["target"]) for v in self.probes.values()), default=1)
     self.feed = sharding.Feed(mesh, tuple(config.sharding.rules))
     self.batch_size = self.feed.size(config.eval.batch_size, longest)

@@ -28,19 +28,21 @@ def margin(logits_RBV, target_B):
   return answer_RB - others_RBV.max(-1)
 
 
-def curves(model, probes: dict, config, pad: int):
-  """{split: {"acc": [..], "margin": [..]}}, entry r-1 after r iterations, up to
-  `analyze.max_depth`; the initial state drawn as evaluations draw it."""
+def curves(model, inputs):
+  """{split: {"acc": [..], "margin": [..]}} of `inputs.probes` (a
+  record.Inputs), entry r-1 after r iterations, up to `analyze.max_depth`;
+  the initial state drawn as evaluations draw it."""
+  config, task = inputs.config, inputs.task
   max_depth, key = config.analyze.max_depth, eval_key(config)
   feed, out = sharding.Feed.like(model.params, config.sharding.rules), {}
-  for name, split in probes.items():
+  for name, split in inputs.probes.items():
     margin_RN = pipeline.map_batches(
       lambda b: _margins(model, b, key, max_depth),
       split,
       feed.size(config.eval.batch_size),
-      pad,
+      task.vocab.pad_id,
       axis=1,
-      pad_to=config.data.pad_to,
+      pad_to=task.pad_to,
       put=feed.put,
     )
     out[name] = {

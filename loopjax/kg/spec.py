@@ -88,6 +88,11 @@ def chains(c) -> None:
       raise ConfigError(f"data.{field}: must be >= {least}; got {d[field]!r}")
   _extrapolation(c)
   if not cur.enabled:
+    if cur.last_stage_lr != 1 or cur.last_stage_steps:
+      raise ConfigError(
+        "train.curriculum.last_stage_lr, last_stage_steps: the last curriculum "
+        "stage's lr; need train.curriculum.enabled (else there are no stages)"
+      )
     return
   if not 2 <= cur.start <= d.train_hops:
     raise ConfigError(
@@ -153,5 +158,6 @@ ANALYSES = {
   "activations": Entry("loopjax.kg.analyses:ACTIVATIONS", shared=True),
 }
 SHARED = shared(ANALYSES)
-COMPOSITION = Spec(composition, ANALYSES, tuple(ANALYSES))
-CHAINS = Spec(chains, ANALYSES, tuple(ANALYSES), curriculum=True)
+PARTS = {"report": "loopjax.kg.report:PARTS", "export": "loopjax.kg.source:export"}
+COMPOSITION = Spec(composition, ANALYSES, tuple(ANALYSES), **PARTS)
+CHAINS = Spec(chains, ANALYSES, tuple(ANALYSES), curriculum=True, **PARTS)

@@ -3,9 +3,9 @@ chains (an optional hop curriculum). task.FAMILIES names them."""
 
 import numpy as np
 
-from loopjax import data, loss
+from loopjax import loss
 from loopjax.data import kg
-from loopjax.kg import curriculum, depth, evaluate, grokking
+from loopjax.kg import curriculum, depth, evaluate, grokking, source
 from loopjax.task import Family
 
 
@@ -15,7 +15,7 @@ class _KnowledgeGraph(Family):
   loss_fn = staticmethod(loss.loss_fn)
 
   def load(self, config):
-    return data.knowledge_graph(config.data)
+    return source.knowledge_graph(config.data)
 
   def train_iterator(self, config, task, rows):
     return curriculum.train_iterator(config, task, rows)
@@ -112,6 +112,9 @@ class Chains(_KnowledgeGraph):
 
   def finished(self, config, phases: dict) -> str | None:
     return f"curriculum: {curriculum.stages_summary(phases, config)}"
+
+  def update_scale(self, config, state):
+    return curriculum.last_stage_scale(config, state)
 
   def evaluator(self, config, task, graphdef, depths=(), mesh=None, shardings=None):
     """Also at the depth fixed before training and where halting stops

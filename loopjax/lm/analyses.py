@@ -10,34 +10,37 @@ from loopjax.analysis import (
   stages,
 )
 from loopjax.analysis import mechanistic_figures as mf
+from loopjax.analysis import mechanistic_tables as mt
 from loopjax.analysis.record import Analysis
 
 FIXED_POINTS = Analysis(
   summarize=fixed_points.from_pass,
-  table=mf.fixed_points_table,
+  table=mt.fixed_points_table,
   plot=mf.fixed_points,
-  summary=mf.fixed_points_summary,
+  summary=mt.fixed_points_summary,
 )
 STAGES = Analysis(
-  summarize=lambda ex, config, memory: (
-    stages.summarize(ex, config.analyze.sink_threshold, config.model.num_loops)
-    | {"memory": memory}
+  summarize=lambda ex, inputs: (
+    stages.summarize(
+      ex, inputs.config.analyze.sink_threshold, inputs.config.model.num_loops
+    )
+    | {"memory": inputs.memory}
   ),
   table=stage_figures.table,
   plot=stage_figures.plot,
   summary=stage_figures.summary,
 )
 ATTENTION = Analysis(
-  summarize=lambda ex, config, memory: (
+  summarize=lambda ex, inputs: (
     attention.summarize(ex["attention"])
     | {"sink": ex["attention"]["sink"].mean(0).tolist()}
   ),
-  table=mf.attention_table,
+  table=mt.attention_table,
   plot=mf.attention,
-  summary=mf.attention_summary,
+  summary=mt.attention_summary,
 )
 HALTING = Analysis(
-  compute=lm_halting.table,  # (model, batches, n, config, key)
+  compute=lm_halting.table,
   table=lm_halting.markdown,
   summary=lm_halting.summary,
 )

@@ -11,6 +11,7 @@ the pass's compiled memory next to what stacking every attention weight
 would take.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -20,6 +21,7 @@ from etils import epath
 from loopjax import config as config_lib
 from loopjax import sharding
 from loopjax.analysis import depth_scan, registry
+from loopjax.analysis.record import Inputs
 from loopjax.errors import ConfigError
 from loopjax.lm import spec
 from loopjax.state import Model, eval_key
@@ -95,8 +97,9 @@ def run(
   }
   records = {x: registry.record(spec.ANALYSES, x) for x in names}
   shared, written = registry.shared(spec.ANALYSES, names), []
+  inputs = Inputs(config, key, task, batches=probe, n=n)
   for name in (x for x in names if x not in shared):  # their own passes first
-    result = records[name].compute(model, probe, n, config, key)
+    result = records[name].compute(model, inputs)
     report = head | {name: {split: result}}
     written += records[name].write(name, report, out_dir) if writes else []
   if not shared:
@@ -105,7 +108,8 @@ def run(
   mem = memory(compiled, probe[0], depth, config.model)
   outs = sharding.host([compiled(model, b, key) for b in probe])
   ex = jax.tree.map(lambda *o: np.concatenate(o, 0)[:n], *outs)
+  summed = dataclasses.replace(inputs, memory=mem)
   for name in shared:
-    report = head | {name: {split: records[name].summarize(ex, config, mem)}}
+    report = head | {name: {split: records[name].summarize(ex, summed)}}
     written += records[name].write(name, report, out_dir) if writes else []
   return written + (rows(ex) if rows else [])

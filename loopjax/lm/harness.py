@@ -12,10 +12,13 @@ imported. Model arguments: pretrained (or hf_dir) or workdir (with step),
 num_loops, exit (a halting criterion) and threshold, r_min, start, dtype,
 max_length, max_gen_toks, add_bos_token, batch_size, seed, record (a JSONL
 file that gets each request's recurrences); each is checked before a weight
-is read. Where the choice is the harness's, the defaults are its `hf`
-model's: `pretrained=` names the results folder, and add_bos_token unset
-encodes as the tokenizer does (its post-processor: a Llama tokenizer adds
-<s>). `python -m loopjax.lm_eval` runs it for a list of recurrences
+is read (harness_args.py). `--batch_size auto` is 8: there is no memory
+probe, and the run says so. A hub that cannot be reached makes the run read
+data sets from disk only (harness_hub.py): one line, not a minute of
+retries, when one is missing. Where the choice is the harness's, the
+defaults are its `hf` model's: `pretrained=` names the results folder, and
+add_bos_token unset encodes as the tokenizer does (its post-processor: a
+Llama tokenizer adds <s>). `python -m loopjax.lm_eval` runs it for a list of recurrences
 into a workdir.
 
 Several processes (`python -m loopjax.lm_eval` with the multi-process flags)
@@ -27,8 +30,6 @@ and seeds are the same), every batch is scored by all devices together
 (`scoring`), and process 0 alone writes the results.
 """
 
-import contextlib
-import inspect
 import json
 import re
 import sys
@@ -42,99 +43,42 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from loopjax import cli, sharding, storage
-from loopjax.errors import ConfigError, first_line
-from loopjax.field_rules import ENUMS, MAX_ITERATIONS
+from loopjax.errors import ConfigError
 from loopjax.halting import Rule
 from loopjax.lm import scoring
-
-MAX_GEN_TOKS = 256  # new tokens where a task does not say (the harness's hf model's)
-
-
-def _count(name: str, value, least: int = 1):
-  """`value` as an integer >= `least` (None stays None), else one line."""
-  if value is None:
-    return None
-  if isinstance(value, bool) or not isinstance(value, int) or value < least:
-    raise ConfigError(
-      f"model_args: {name} must be an integer >= {least}; got {value!r}"
-    )
-  return value
+from loopjax.lm.harness_args import MAX_GEN_TOKS, ModelArgs, precheck
+from loopjax.lm.harness_hub import data_on_disk, why_unknown
 
 
-def _batch_size(value):
-  """The harness's `--batch_size` is a string ("16", "auto", "auto:4"); "auto"
-  gets the default (there is no memory probe)."""
-  if isinstance(value, str) and value.startswith("auto"):
-    return 8
-  return int(value) if isinstance(value, str) and value.isdigit() else value
+class Scored(list):
+  """(log-probability, greedy) per request, as the harness reads them, with
+  the recurrences each used: returned through TemplateLM's `loglikelihood`,
+  which knows only the list."""
 
-
-def _checked(args: dict) -> dict:
-  """The model arguments that take a number, a dtype or a flag, checked (the
-  harness parses `k=v` into int, float and bool where it can; what is left a
-  string was not one)."""
-  least = {"num_loops": 1, "batch_size": 1, "max_length": 2, "max_gen_toks": 1,
-           "r_min": 1, "step": 0, "seed": 0}  # fmt: skip
-  for name, n in least.items():
-    _count(name, args[name], n)
-  if (args["num_loops"] or 1) > MAX_ITERATIONS:
-    raise ConfigError(
-      f"model_args: num_loops must be <= {MAX_ITERATIONS} "
-      f"(field_rules.MAX_ITERATIONS); got {args['num_loops']}"
-    )
-  if args["dtype"] not in ENUMS["model.dtype"]:
-    raise ConfigError(
-      f"model_args: dtype must be one of {', '.join(ENUMS['model.dtype'])}; "
-      f"got {args['dtype']!r}"
-    )
-  if args["add_bos_token"] not in (None, True, False):
-    raise ConfigError(
-      f"model_args: add_bos_token must be True or False; got {args['add_bos_token']!r}"
-    )
-  t = args["threshold"]
-  if t is not None and (isinstance(t, bool) or not isinstance(t, int | float)):
-    raise ConfigError(f"model_args: threshold must be a number; got {t!r}")
-  if args["pretrained"] is not None and args["hf_dir"] is not None:
-    raise ConfigError("model_args: give pretrained= or hf_dir= (the same), not both")
-  return args
+  def __init__(self, pairs, iterations):
+    super().__init__(pairs)
+    self.iterations = iterations
 
 
 @register_model("loopjax")
 class LoopjaxLM(TemplateLM):
   """The harness's view of a `scoring.Scorer`."""
 
-  def __init__(
-    self,
-    pretrained: str | None = None,
-    hf_dir: str | None = None,
-    workdir: str | None = None,
-    step: int | None = None,
-    num_loops: int | None = None,
-    exit: str | None = None,
-    threshold: float | None = None,
-    r_min: int = 1,
-    start: str = "uniform",
-    batch_size: int | str = 8,
-    dtype: str = "float32",
-    max_length: int | None = None,
-    max_gen_toks: int = MAX_GEN_TOKS,
-    add_bos_token: bool | None = None,
-    seed: int = 0,
-    record: str | None = None,
-    max_batch_size: int | None = None,  # the harness's, for batch_size=auto
-    device: str | None = None,  # the harness's; JAX places the model
-  ):
+  def __init__(self, **model_args):
+    """From the harness's `--model_args` (harness_args.ModelArgs: each
+    checked before a weight is read; an unknown one is a TypeError)."""
     super().__init__()
-    batch_size = _batch_size(batch_size)
-    _checked(locals())
-    rule = Rule.exit(exit, threshold, r_min=r_min, start=start) if exit else None
-    record = record and storage.path(record, "model_args: record")
+    args = ModelArgs(**model_args)
+    rule = None
+    if args.exit:
+      rule = Rule.exit(args.exit, args.threshold, r_min=args.r_min, start=args.start)
+    record = args.record and storage.path(args.record, "model_args: record")
     loaded = scoring.load(
-      hf_dir=pretrained or hf_dir, workdir=workdir, step=step, num_loops=num_loops,
-      dtype=dtype, max_length=max_length, batch_size=int(batch_size), exit=rule,
-      seed=seed,
+      hf_dir=args.model_dir, workdir=args.workdir, step=args.step,
+      num_loops=args.num_loops, dtype=args.dtype, max_length=args.max_length,
+      batch_size=args.batch_size, exit=rule, seed=args.seed,
     )  # fmt: skip
-    self._use(loaded, max_gen_toks, add_bos_token, record)
+    self._use(loaded, args.max_gen_toks, args.add_bos_token, record)
 
   @classmethod
   def of(cls, loaded: scoring.Loaded) -> "LoopjaxLM":
@@ -234,16 +178,21 @@ class LoopjaxLM(TemplateLM):
       ) from None
 
   def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kw):
+    """(log-probability, greedy) per tokenized request, as the harness asks;
+    the list also carries each one's recurrences (`Scored`), which
+    `loglikelihood` records."""
     scores = self.scorer.loglikelihood([(ctx, cont) for _, ctx, cont in requests])
     for (key, *_), s in zip(requests, scores, strict=True):
       self.cache_hook.add_partial("loglikelihood", key, (s.logprob, s.greedy))
-    self._scores = scores  # for `loglikelihood`'s record: it has the requests
-    return [(s.logprob, s.greedy) for s in scores]
+    pairs = [(s.logprob, s.greedy) for s in scores]
+    return Scored(pairs, [s.iterations for s in scores])
 
   def loglikelihood(self, requests, disable_tqdm: bool = False):
+    """The harness's tokenization (TemplateLM's), then `_loglikelihood_tokens`;
+    each request's recurrences recorded."""
     out = super().loglikelihood(requests, disable_tqdm)
-    self._write(requests, "loglikelihood", [s.iterations for s in self._scores])
-    return out
+    self._write(requests, "loglikelihood", out.iterations)
+    return list(out)
 
   def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
     """A whole text's log-likelihood, in windows of `max_length` tokens
@@ -337,7 +286,7 @@ def run(
     raise ConfigError("--tasks: none given")
   if unknown:
     raise ConfigError(
-      f"--tasks: unknown task {unknown[0]!r} ({_why_unknown(unknown[0], include_path)})"
+      f"--tasks: unknown task {unknown[0]!r} ({why_unknown(unknown[0], include_path)})"
     )
   out = storage.path(workdir) / "lm_eval"
   rule = Rule.exit(exit, threshold) if exit else None
@@ -351,7 +300,7 @@ def run(
     model.scorer.num_loops, model.record = R, out / f"requests_r{R}.jsonl"
     if writes:
       model.record.unlink(missing_ok=True)
-    with _data_on_disk():
+    with data_on_disk():
       results = simple_evaluate(
         model=model, tasks=list(tasks), task_manager=manager, **harness_kw
       )
@@ -377,71 +326,6 @@ def run(
   return out
 
 
-@contextlib.contextmanager
-def _data_on_disk():
-  """A task's data set neither on disk nor reachable (offline mode, a cluster
-  with no route to the hub: the datasets library raises ConnectionError) as
-  one line saying what to do."""
-  try:
-    yield
-  except ConnectionError as e:
-    raise ConfigError(
-      f"a task's data set is not on disk and cannot be downloaded here "
-      f"({first_line(e, 160)}): download it where there is a network into "
-      "HF_DATASETS_CACHE (or HF_HOME), then run with HF_DATASETS_OFFLINE=1"
-    ) from None
-
-
-def _why_unknown(task: str, include_path: str | None) -> str:
-  """Where to look: a YAML file under include_path that names the task but
-  does not load (the harness skips it without a word), or what lists tasks."""
-  if not include_path:
-    return "`lm_eval ls tasks` lists the harness's; local YAML tasks: --include_path"
-  import yaml
-
-  for path in sorted(Path(include_path).expanduser().rglob("*.yaml")):
-    text = path.read_text(errors="replace")
-    if path.stem != task and not re.search(
-      rf"^task:\s*['\"]?{re.escape(task)}\b", text, re.M
-    ):
-      continue
-    try:
-      yaml.safe_load(text)
-    except yaml.YAMLError as e:
-      return f"{path} names it but does not load: {first_line(e, 160)}"
-    return f"{path} names it but the harness does not read it as a task"
-  return f"no YAML file under --include_path={include_path} names it"
-
-
-def _flag(args: list[str], name: str) -> str | None:
-  """The value of `--name V` or `--name=V` in a command line."""
-  for i, a in enumerate(args):
-    if a.startswith(name + "="):
-      return a.split("=", 1)[1]
-    if a == name and i + 1 < len(args):
-      return args[i + 1]
-  return None
-
-
-def _precheck(args: list[str]) -> None:
-  """`--model loopjax`'s arguments checked before the harness starts (and
-  logs), with the constructor's own rules: one line for a bad one."""
-  if _flag(args, "--model") != "loopjax":
-    return
-  given = utils.simple_parse_args_string(_flag(args, "--model_args") or "")
-  params = dict(inspect.signature(LoopjaxLM.__init__).parameters)
-  params.pop("self")
-  if unknown := [k for k in given if k not in params]:
-    raise ConfigError(
-      f"--model_args: unknown argument {unknown[0]!r} (loopjax takes "
-      f"{', '.join(params)})"
-    )
-  merged = {k: p.default for k, p in params.items()} | given
-  if "batch_size" not in given and (flag := _flag(args, "--batch_size")):
-    merged["batch_size"] = flag  # the harness's own flag: a string
-  _checked(merged | {"batch_size": _batch_size(merged["batch_size"])})
-
-
 def main(argv):
   """The harness's command line (`argv`, the program first) with `loopjax`
   registered; bad model arguments are a ConfigError (`cli.run`: one line)."""
@@ -451,8 +335,8 @@ def main(argv):
   # hf_dir= is pretrained= (the name the harness's results folder is made from)
   args = [re.sub(r"(^|[,=])hf_dir=", r"\1pretrained=", a) for a in args]
   sys.argv = [argv[0], *args]
-  _precheck(args)
-  with _data_on_disk():
+  precheck(args)
+  with data_on_disk():
     cli_evaluate()
 
 

@@ -128,4 +128,11 @@ ANALYSES = {
   "halting": Entry("loopjax.lm.analyses:HALTING", shared=False),
 }
 SHARED = shared(ANALYSES)
-LM = Spec(check, ANALYSES, SHARED, pretrained=pretrained, init_from=init_from)
+LM = Spec(
+  check,
+  ANALYSES,
+  SHARED,
+  pretrained=pretrained,
+  init_from=init_from,
+  report="loopjax.lm.report:PARTS",
+)

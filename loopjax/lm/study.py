@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 
 from loopjax import metrics
-from loopjax.analysis import mechanistic_figures
+from loopjax.analysis import mechanistic_tables
 from loopjax.analysis.plots import markdown, plt, save, write_sweep_report
 from loopjax.workdir import run_config
 
@@ -117,7 +117,7 @@ def table(rows: list[dict]) -> str:
         f"{r['L']} x {R}",
         *(_num(loss.get(k * R), ".3f") for k in (1, 2, 4)),
         f"{loss[best]:.3f} ({best})" if best else "-",
-        mechanistic_figures.fixed_cell(r) if conv else "-",
+        mechanistic_tables.fixed_cell(r) if conv else "-",
         " / ".join(str(x or "-") for x in r.get("settled_at", [])) or "-",
         pair("sink_rate"),
         pair("colsum_concentration") + f" ({_num(r.get('colsum_uniform'))})"

@@ -9,6 +9,12 @@ from loopjax.lm import evaluate, generate
 from loopjax.task import Family
 
 
+def text(data_cfg) -> lm.LmData:
+  """A language model's token streams (data/lm.py), prepared under
+  data.data_dir."""
+  return data.prepared(lambda: lm.read(data_cfg), data_cfg)
+
+
 class LanguageModel(Family):
   """Looped LMs trained from scratch, retrofitted or loaded pretrained."""
 
@@ -19,7 +25,7 @@ class LanguageModel(Family):
   streams_analyses = True
 
   def load(self, config):
-    return data.text(config.data)
+    return text(config.data)
 
   def train_iterator(self, config, task, rows):
     return lm.train_iterator(task, config.train.batch_size, config.seed, rows)
