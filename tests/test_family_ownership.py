@@ -191,6 +191,8 @@ def test_an_unreachable_hub_turns_the_libraries_offline_at_once(monkeypatch):
 
   for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     monkeypatch.delenv(name, raising=False)
+  for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+    monkeypatch.delenv(name, raising=False)  # the loopback hub, directly
   monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
   monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
   monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", False)
@@ -218,6 +220,8 @@ def test_a_reachable_hub_changes_nothing(monkeypatch):
 
   for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
     monkeypatch.delenv(name, raising=False)
+  for name in ("https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"):
+    monkeypatch.delenv(name, raising=False)  # the loopback hub, directly
   with socket.socket() as server:
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -242,3 +246,21 @@ def test_no_module_passes_the_house_limit():
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__]))
+
+
+def test_behind_a_proxy_the_hub_is_reached_through_it(monkeypatch):
+  """A cluster whose only way out is its proxy: the reachability check
+  connects to the proxy, not to the hub it cannot reach directly."""
+  pytest.importorskip("lm_eval")
+  from huggingface_hub import constants
+
+  from loopjax.lm import harness_hub
+
+  monkeypatch.setattr(constants, "ENDPOINT", "https://huggingface.co")
+  for name in ("https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY"):
+    monkeypatch.delenv(name, raising=False)
+  assert harness_hub._endpoint() == ("huggingface.co", 443)
+  monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+  assert harness_hub._endpoint() == ("proxy.example", 3128)
+  monkeypatch.setenv("NO_PROXY", "huggingface.co")
+  assert harness_hub._endpoint() == ("huggingface.co", 443)

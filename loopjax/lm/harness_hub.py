@@ -13,6 +13,7 @@ import re
 import socket
 import sys
 import urllib.parse
+import urllib.request
 from pathlib import Path
 
 from loopjax.errors import ConfigError, first_line
@@ -22,13 +23,18 @@ _OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
 def _endpoint() -> tuple[str, int]:
-  """(host, port) of the hub the libraries use (`HF_ENDPOINT`, else theirs)."""
+  """(host, port) the libraries connect to for the hub (`HF_ENDPOINT`, else
+  theirs): its proxy where one is set (`HTTPS_PROXY`, ...; not bypassed by
+  `NO_PROXY`), since a cluster behind one reaches the hub only through it."""
   from huggingface_hub import constants
 
   url = urllib.parse.urlsplit(constants.ENDPOINT)
-  return url.hostname or "huggingface.co", url.port or (
-    443 if url.scheme == "https" else 80
-  )
+  host = url.hostname or "huggingface.co"
+  proxy = urllib.request.getproxies().get(url.scheme or "https")
+  if proxy and not urllib.request.proxy_bypass(host):
+    url = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    host = url.hostname or host
+  return host, url.port or (443 if url.scheme == "https" else 80)
 
 
 def reachable(host: str, port: int, timeout: float = REACH_TIMEOUT_S) -> bool:
