@@ -239,6 +239,12 @@ def test_eval_on_two_processes_reports_what_one_process_does(tmp_path):
   _same_report(json.loads(report.read_text()), want)
   assert f"[0] wrote {report}" in two.stdout and "[1] wrote" not in two.stdout
   assert sorted(p.name for p in report.parent.iterdir()) == ["step_10.json"]
+  # The run trained with tiny's mesh.devices=1; the job, on 2 processes, is
+  # launched as it was trained, no mesh flag: a mesh is where a job runs.
+  report.unlink()
+  plain = _on_two(cli(workdir, data_dir, "--mode=eval", "--heartbeat_timeout=20"))
+  assert plain.returncode == 0, plain.stdout[-3000:]
+  _same_report(json.loads(report.read_text()), want)
 
 
 def _same_table(got: str, want: str) -> None:
