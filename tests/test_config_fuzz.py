@@ -729,3 +729,59 @@ def test_a_reading_job_opens_any_trained_mesh_on_its_devices(mesh, processes):
     got = restore.job_mesh(c)
   n = mesh["devices"] if mesh["devices"] and processes == 1 else jax.device_count()
   assert got.devices.size == min(n, jax.device_count()), (mesh, processes)
+
+
+# A typo in a field's name, on the command line: one line naming it, short
+# however many fields its section has (issue 53: all 39 used to be listed),
+# and naming the field meant where the typo is one edit from it.
+def _typo(field: str):
+  section, _, key = field.rpartition(".")
+  edits = st.sampled_from(["drop", "double", "swap"]).flatmap(
+    lambda how: st.integers(0, len(key) - 2).map(lambda i: (how, i))
+  )
+
+  def edit(case):
+    how, i = case
+    typo = {
+      "drop": key[:i] + key[i + 1 :],
+      "double": key[:i] + key[i] + key[i:],
+      "swap": key[:i] + key[i + 1] + key[i] + key[i + 2 :],
+    }[how]
+    return field, f"{section}.{typo}" if section else typo
+
+  return edits.map(edit)
+
+
+_typos = st.sampled_from(sorted(f for f in FIELDS if len(f.rpartition(".")[2]) > 4))
+_typos = _typos.flatmap(_typo).filter(lambda pair: pair[1] not in FIELDS)
+
+
+def _check_typo(prepared, pair):
+  field, typo = pair
+  root, config = prepared
+  start = time.monotonic()
+  code, lines = main_in_process(
+    "--config=experiments/sysgen.py:tiny",
+    f"--workdir={root / 'typo'}",
+    f"--config.{typo}=1",
+  )
+  _one_line_or_ok(code, lines, pair, time.monotonic() - start, 30)
+  assert code == 2 and f"--config.{typo}: no such field" in lines[0], (pair, lines)
+  assert len(lines[0]) < 250, lines
+  assert not (root / "typo").exists()  # nothing written
+  # one edit from a key of more than 4 characters: among difflib's 3 nearest
+  # (a short section lists all its fields instead)
+  assert field.rpartition(".")[2] in lines[0], (pair, lines)
+
+
+@_settings(20)  # 200: -m slow
+@given(_typos)
+def test_a_typo_in_a_field_name_is_one_short_line(prepared, pair):
+  _check_typo(prepared, pair)
+
+
+@pytest.mark.slow
+@_settings(200)
+@given(_typos)
+def test_typos_in_field_names_many(prepared, pair):
+  _check_typo(prepared, pair)
