@@ -238,3 +238,19 @@ def test_extrapolation_lead_table_is_the_depth_record(record):
       ], (record, r["step"], k)
     assert _numbers(row[4])[0] == round(r["k"]["9"]["oracle"], 3)
     assert _numbers(row[5])[0] == round(r["k"]["10"]["oracle"], 3)
+
+
+def test_extrapolation_ema_table_is_its_record():
+  """The EMA lever's table (raw params beside their EMA, fixed R and
+  halting) row by row against the fork's record."""
+  data = json.loads((RECORDS / "long_s2_ema24k.json").read_text())
+  rows = {r["step"]: r for r in data["rows"]}
+  text = (RESULTS / "extrapolation.md").read_text()
+  (table,) = [t for t in _tables(text) if t[0][1] == "K + 2 raw: fixed / halt"]
+  assert len(table) - 1 == len(rows)
+  for row in table[1:]:
+    r = rows[_step(row[0])]
+    for i, k in enumerate(("8", "9", "10")):
+      for j, who in enumerate(("raw", "ema")):
+        want = [round(r[who][k]["fixed"], 3), round(r[who][k]["halt"], 3)]
+        assert _numbers(row[1 + 2 * i + j]) == want, (r["step"], k, who)
