@@ -46,12 +46,16 @@ def test_a_training_part_is_stopped_by_sigterm_as_a_preemption(tmp_path):
 @pytest.mark.slow
 def test_smoke_runs_every_part_on_the_cpu(tmp_path):
   """launch/accelerator_check.sh --smoke: the script a GPU machine runs, tiny."""
-  env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
+  # JAX_PLATFORMS=cpu: a CI machine with jax-cuda12 or libtpu installed
+  # would probe for their devices in every part's process. The script's own
+  # bound is its parts' timeouts, each recorded when it runs out.
+  env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"}
+  bound_s = sum(p.timeout_s for p in accelerator.parts(True, tmp_path)) + 60
   subprocess.run(
     [ROOT / "launch/accelerator_check.sh", tmp_path, "--smoke"],
     env=env,
     check=True,
-    timeout=300,
+    timeout=bound_s,
   )
   parts = json.loads((tmp_path / "accelerator.json").read_text())["parts"]
   assert {k: v["status"] for k, v in parts.items()} == {
