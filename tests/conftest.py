@@ -10,7 +10,14 @@ import sys
 import tempfile
 from unittest import mock
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's optimizations off: the suite's programs are tiny, so compiling them is
+# most of its time, and faster code buys nothing (one core, tests of the model,
+# analysis and recurrence: 196 s -> 105 s). Numerics are IEEE either way.
+os.environ.setdefault(
+  "XLA_FLAGS",
+  "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+  " --xla_llvm_disable_expensive_passes=true",
+)
 # CPU tests, whatever else is installed: the `targets` extra's libtpu and CUDA
 # plugin serve compile-only topologies (tests/test_launch.py), not devices.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
