@@ -224,7 +224,9 @@ def sweep(name: str = "regimes"):
   train on composition (Grokfast EMA, StableMax) against none; a stage's
   fresh optimizer starts a fresh filter; three model seeds each
   (docs/results/grokking_speed.md). `levers` (on `long`): none and each of
-  `LEVERS` alone, three model seeds each."""
+  `LEVERS` alone, three model seeds each. `seeds` (issue 54's plan, on
+  `long_ema`): model seeds 0, 1, 2 and seed 0 on a second graph (data
+  seed 1); on one accelerator, `--parallel=4` shares it."""
   sweeps = {
     "regimes": [{"train.depth.dist": "poisson"}]
     + [{"train.depth.dist": "fixed", "model.num_loops": r} for r in (4, 6, 8)],
@@ -234,6 +236,7 @@ def sweep(name: str = "regimes"):
       for a in ({}, {"train.grokfast.kind": "ema"}, {"train.xent": "stablemax"})
     ],
     "levers": [o | {"seed": s} for s in (0, 1, 2) for o in ({}, *LEVERS.values())],
+    "seeds": [{"seed": s} for s in (0, 1, 2)] + [{"seed": 0, "data.seed": 1}],
   }
   if name not in sweeps:
     raise ValueError(f"must be one of {', '.join(sweeps)}; got {name!r}")

@@ -11,7 +11,10 @@
 trains in `<root>/<field=value,...>`. With --parallel=N, N runs go at
 once, each pinned to its own core; when one ends, the next run takes its core
 (on 2 cores two pinned runs finish a sweep ~1.36x sooner than one run after
-another: docs/performance.md). With --analyze each run is `--mode=analyze`d
+another: docs/performance.md). On a GPU or TPU host they share its
+accelerator, each allowed 1/N of its memory (XLA_PYTHON_CLIENT_MEM_FRACTION,
+unless set): JAX would give the first run 75% of it and the next would fail
+to allocate. With --analyze each run is `--mode=analyze`d
 once it has trained (same flags, same core). A rerun resumes or skips
 finished runs, since each run resumes from its own workdir. `--target=slurm`
 submits one job per point (launch/slurm.py, job name = run name);
@@ -52,9 +55,17 @@ def load_sweep(config_arg: str, name: str | None = None) -> list[dict]:
     sys.exit(f"error: --sweep: {e}")
 
 
-def run_name(overrides: dict) -> str:
-  """`field=value,...` by the fields' last names; `default` for no overrides."""
-  return ",".join(f"{k.split('.')[-1]}={v}" for k, v in overrides.items()) or "default"
+def run_name(overrides: dict, fields=()) -> str:
+  """`field=value,...` by the fields' last names, or their full names where
+  two of `fields` (the sweep's) share one (`seed`, `data.seed`): distinct
+  points, distinct workdirs. `default` for no overrides."""
+  last = [f.split(".")[-1] for f in {*fields, *overrides}]
+
+  def label(k):
+    short = k.split(".")[-1]
+    return short if last.count(short) == 1 else k
+
+  return ",".join(f"{label(k)}={v}" for k, v in overrides.items()) or "default"
 
 
 def commands(
@@ -66,8 +77,10 @@ def commands(
 ) -> list[tuple[str, list[list[str]]]]:
   """(run name, the commands it runs one after another) per sweep point."""
   out = []
-  for overrides in load_sweep(config_arg, name):
-    name = run_name(overrides)
+  points = load_sweep(config_arg, name)
+  fields = {k for overrides in points for k in overrides}
+  for overrides in points:
+    name = run_name(overrides, fields)
     cmd = [
       sys.executable,
       "-m",
@@ -126,6 +139,7 @@ def main(argv=None) -> int:
       cmd if core is None else _pinned(cmd, core),
       stdout=log,
       stderr=subprocess.STDOUT,
+      env=shared_accelerator_env(args.parallel),
     )
     print(f"started {name} (pid {proc.pid}{'' if core is None else f', core {core}'})")
     active.append((name, proc, log, core))
@@ -157,6 +171,15 @@ def remote(args, runs) -> int:
     if rc:
       return rc
   return 0
+
+
+def shared_accelerator_env(parallel: int) -> dict:
+  """This environment, with N parallel runs each allowed 1/N of an
+  accelerator's memory (a fraction already set wins; 0.9 leaves XLA room)."""
+  env = dict(os.environ)
+  if parallel > 1:
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{0.9 / parallel:.3f}")
+  return env
 
 
 def _pinned(cmd: list, core: int) -> list:

@@ -49,6 +49,42 @@ def test_pinned_runs_chain_their_commands(tmp_path, monkeypatch):
     assert train == analyze and len(eval(train)) == 1
 
 
+def test_parallel_runs_share_an_accelerator_and_one_run_has_it_all(
+  tmp_path, monkeypatch
+):
+  """N parallel runs each get 1/N of its memory (a fraction set outside wins);
+  a run alone is left JAX's default."""
+  import sys
+
+  code = "import os; print(os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))"
+  jobs = [(f"run{i}", [[sys.executable, "-c", code]]) for i in range(2)]
+  monkeypatch.setattr(sweep, "commands", lambda *_: jobs)
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  for parallel, want in ((2, "0.450"), (1, "None")):
+    assert (
+      sweep.main(["--config=x", f"--root={tmp_path}", f"--parallel={parallel}"]) == 0
+    )
+    for i in range(2):
+      assert (tmp_path / f"run{i}.log").read_text().splitlines()[-1] == want
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.2")
+  assert sweep.main(["--config=x", f"--root={tmp_path}", "--parallel=2"]) == 0
+  assert (tmp_path / "run0.log").read_text().splitlines()[-1] == "0.2"
+
+
+def test_the_seeds_sweep_is_three_model_seeds_and_a_second_graph(tmp_path, capsys):
+  config = "--config=experiments/extrapolation.py:long_ema"
+  args = [config, f"--root={tmp_path}", "--dry-run", "--sweep=seeds"]
+  assert sweep.main(args) == 0
+  points = [line.split(f"--workdir={tmp_path}/")[1].split()[0]
+            for line in capsys.readouterr().out.splitlines()]  # fmt: skip
+  assert points == [
+    "seed=0",
+    "seed=1",
+    "seed=2",
+    "seed=0,data.seed=1",
+  ]  # `seed` and `data.seed`: full names where last names would collide
+
+
 def test_named_sweep_and_unknown_name(tmp_path, capsys):
   args = ["--config=experiments/sysgen.py", f"--root={tmp_path}", "--dry-run"]
   assert sweep.main([*args, "--sweep=seeds"]) == 0
