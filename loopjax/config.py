@@ -258,7 +258,7 @@ def base() -> ml_collections.ConfigDict:
   # fork_from "DIR:STEP" (or "DIR": its newest): a new workdir starts from that
   # run's checkpoint (weights, optimizer, curriculum stage, data position) and
   # trains on under this config, which may differ from DIR's in train.* only;
-  # DIR is only read (workdir.Fork). lease_s: on a gs:// workdir, seconds
+  # DIR is only read (fork.py). lease_s: on a gs:// workdir, seconds
   # without renewal after which another trainer may take the run's lease
   # over (its holder was killed or preempted; lease.py).
   c.checkpoint = dict(

@@ -31,10 +31,11 @@ from loopjax import (
 )
 from loopjax import task as task_lib
 from loopjax.errors import ConfigError, Stopped, first_line
+from loopjax.fork import Fork
 from loopjax.lease import LeaseLost
 from loopjax.pretrained import init_from
 from loopjax.state import Model, sharded_train_state, with_optional
-from loopjax.workdir import Fork, Workdir
+from loopjax.workdir import Workdir
 
 
 def make_train_step(config, graphdef, tx, mesh=None, shardings=None):
@@ -143,6 +144,8 @@ def train_and_evaluate(config, workdir) -> dict:
   family = task_lib.for_config(config)
   wd = Workdir(workdir)
   wd.check(config)
+  if not wd.has_committed():
+    Fork.source_of(config)  # an unreadable source before any data is built
   task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = task.summary()  # fingerprints every array: once
   mesh, rules, rows = sharding.run_mesh(config)  # mesh errors before any write

@@ -299,23 +299,33 @@ def test_a_trainer_that_lost_its_lease_stops_saving_nothing(straight, gcs, bucke
   assert "Traceback" not in out
 
 
-@pytest.mark.parametrize("where", ["no_bucket", "no_answer", "s3"])
-def test_a_bucket_that_cannot_be_reached_is_one_line_in_seconds(where, gcs, tmp_path):
+@pytest.mark.parametrize(
+  "where,fork", [("no_bucket", False), ("no_answer", False), ("s3", False),
+                 ("no_bucket", True), ("no_answer", True)],
+)  # fmt: skip
+def test_a_bucket_that_cannot_be_reached_is_one_line_in_seconds(
+  where, fork, gcs, tmp_path
+):
+  """As a workdir, or as the run a fork starts from (checked before its data
+  is built: gcsfs would retry for a minute, then print a traceback)."""
   env = CPU_ENV | gcs.env
-  workdir = "gs://no-such-bucket-here/run"
+  url = "gs://no-such-bucket-here/run"
   if where == "no_answer":
     env = env | {"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"}
   if where == "s3":
-    workdir = "s3://bucket/run"
+    url = "s3://bucket/run"
+  workdir, extra, field = url, [], "--workdir"
+  if fork:
+    field = "checkpoint.fork_from"
+    workdir, extra = tmp_path / "run", [f"--config.checkpoint.fork_from={url}:40"]
   start = time.time()
   proc = subprocess.run(
-    cli(workdir, tmp_path / "data", config=TINY), capture_output=True, text=True,
-    env=env,
-    cwd=tmp_path, timeout=120,
+    cli(workdir, tmp_path / "data", *extra, config=TINY), capture_output=True,
+    text=True, env=env, cwd=tmp_path, timeout=120,
   )  # fmt: skip
   assert proc.returncode == 2, proc.stderr[-3000:]
   line = _error_line(proc)
-  assert line.startswith(f"error: --workdir={workdir}: "), line
+  assert line.startswith(f"error: {field}={url}: "), line
   assert {
     "no_bucket": "no such bucket",
     "no_answer": "no answer from",
