@@ -48,11 +48,9 @@ class Fork:
     return source, step
 
   @classmethod
-  def of(cls, config, dataset: dict) -> "Fork | None":
-    """The fork `config` asks for, checked before anything compiles: a run
-    on the same data whose config differs in FREE fields only, with the step."""
-    if (named := cls.source_of(config)) is None:
-      return None
+  def of(cls, config, named: tuple[Workdir, int | None], dataset: dict) -> "Fork":
+    """The fork `config` asks for (`named`: what `source_of` returned),
+    checked before anything compiles: a run on the same data, with the step."""
     (source, step), field = named, "checkpoint.fork_from"
     if (got := source.fingerprint()) is None:
       raise ConfigError(f"{field}: {source.path} has no dataset.json")

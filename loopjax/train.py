@@ -144,8 +144,8 @@ def train_and_evaluate(config, workdir) -> dict:
   family = task_lib.for_config(config)
   wd = Workdir(workdir)
   wd.check(config)
-  if not wd.has_committed():
-    Fork.source_of(config)  # an unreadable source before any data is built
+  # a fork's source, unreadable or not a run, fails before any data is built
+  named = None if wd.has_committed() else Fork.source_of(config)
   task = family.load(config)  # bad data settings fail before the workdir exists
   dataset = task.summary()  # fingerprints every array: once
   mesh, rules, rows = sharding.run_mesh(config)  # mesh errors before any write
@@ -154,7 +154,7 @@ def train_and_evaluate(config, workdir) -> dict:
     config, task, mesh, abstract=True
   )
   wd.check_data(dataset)
-  fork = None if wd.has_committed() else Fork.of(config, dataset)
+  fork = Fork.of(config, named, dataset) if named else None
   wd.check_writable()
   with wd.exclusive("train", config.checkpoint.lease_s):
     reached = fork.phases() if fork else {}  # a fork's: the source's, up to it
