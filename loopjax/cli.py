@@ -188,19 +188,21 @@ def ended(main):
   @functools.wraps(main)
   def one_line(argv):
     liblog.divert()  # here: app.run has set up absl's handler
+    mark = liblog.writes()
     try:
       return main(argv)
     except ConfigError as e:
-      exit_with(first_line(e, limit=2000) + _library_log())
+      exit_with(first_line(e, limit=2000) + _library_log(mark))
     except Stopped as e:
-      exit_with(first_line(e, limit=2000) + _library_log(), code=1)
+      exit_with(first_line(e, limit=2000) + _library_log(mark), code=1)
 
   return one_line
 
 
-def _library_log() -> str:
-  """Where the libraries' own reports of the error went, if they made any."""
-  return f" (library log: {where})" if (where := liblog.written()) else ""
+def _library_log(mark: int) -> str:
+  """Where the libraries' own reports of the error went, if they made any
+  since `mark`."""
+  return f" (library log: {where})" if (where := liblog.written(mark)) else ""
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from pathlib import Path
 # Loggers, or source folders of records logged through absl's logger.
 _LIBRARIES = ("orbax", "tensorstore", "asyncio")
 _lock = threading.Lock()
-_state = {"path": None, "written": False}
+_state = {"path": None, "writes": 0}
 
 
 def path() -> Path:
@@ -36,9 +36,15 @@ def path() -> Path:
   return _state["path"]
 
 
-def written() -> Path | None:
-  """The library log if anything went there, else None."""
-  return path() if _state["written"] else None
+def writes() -> int:
+  """How many records went to the log so far (a mark for `written`)."""
+  return _state["writes"]
+
+
+def written(since: int = 0) -> Path | None:
+  """The library log if anything went there after mark `since`, else None:
+  a command names the log only for what its own work put there."""
+  return path() if _state["writes"] > since else None
 
 
 def _write(text: str) -> None:
@@ -49,7 +55,7 @@ def _write(text: str) -> None:
       path().parent.mkdir(parents=True, exist_ok=True)
       with open(path(), "a") as f:
         f.write(text if text.endswith("\n") else text + "\n")
-      _state["written"] = True
+      _state["writes"] += 1
     except OSError:
       pass
 

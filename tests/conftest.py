@@ -244,3 +244,14 @@ def main_in_process(*argv, entry: str = "main") -> tuple[int, list[str]]:
     except SystemExit as e:
       code = e.code
   return code, err.getvalue().splitlines()
+
+
+def in_process(cmd) -> subprocess.CompletedProcess:
+  """`run(cmd)` for a `python -m loopjax.<entry> ...` command, in this process
+  (`main_in_process`; stdout not kept): for the refusals checked by the dozen,
+  where a process each costs a JAX start. Each entry point's own process is
+  tested once (tests/test_cli.py)."""
+  python, dash_m, module, *argv = map(str, cmd)
+  assert (python, dash_m) == (sys.executable, "-m"), cmd
+  code, lines = main_in_process(*argv, entry=module.removeprefix("loopjax."))
+  return subprocess.CompletedProcess(cmd, code, "", "".join(f"{x}\n" for x in lines))

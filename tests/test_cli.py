@@ -144,3 +144,17 @@ def test_the_stopped_errors_of_runs_end_as_one_line():
     passes.CompileFailed,
   ):
     assert issubclass(stop, Stopped), stop
+
+
+def test_a_user_error_from_its_own_process_is_one_line_and_nothing_else(tmp_path):
+  """The refusals tested by the dozen run in the test's process
+  (conftest.in_process); here one runs as a user starts it: its stderr is the
+  `error:` line alone (no library's output at import or exit), exit 2."""
+  proc = subprocess.run(
+    [sys.executable, "-m", "loopjax.main", "--config=experiments/sysgen.py:tiny",
+     f"--workdir={tmp_path / 'run'}", "--config.model.num_loops=0"],
+    capture_output=True, text=True, env=CPU_ENV, timeout=120,
+  )  # fmt: skip
+  says = "model.num_loops: must be in [1, 4096] (field_rules.MAX_ITERATIONS); got 0"
+  assert (proc.returncode, proc.stderr) == (2, f"error: {says}\n")
+  assert not (tmp_path / "run").exists()

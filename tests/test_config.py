@@ -1,10 +1,10 @@
 """Config validation: bad values fail before anything compiles, in one line."""
 
 import re
-import subprocess
 import sys
 
 import pytest
+from conftest import in_process
 
 from experiments import extrapolation, halting, sysgen
 from loopjax import config as config_lib
@@ -162,7 +162,7 @@ def test_a_conflict_is_one_short_line_however_many_fields_differ(tmp_path):
   ],
 )
 def test_cli_exits_2_with_one_line(tmp_path, override, message):
-  r = subprocess.run(
+  r = in_process(
     [
       sys.executable,
       "-m",
@@ -170,10 +170,7 @@ def test_cli_exits_2_with_one_line(tmp_path, override, message):
       "--config=experiments/sysgen.py:tiny",
       f"--workdir={tmp_path / 'run'}",
       override,
-    ],
-    capture_output=True,
-    text=True,
-    timeout=120,
+    ]
   )
   assert r.returncode == 2, r.stderr
   lines = r.stderr.strip().splitlines()
@@ -206,18 +203,8 @@ def test_cli_bad_config_file_or_variant(tmp_path, config, message):
   if config in text:
     (tmp_path / "broken.py").write_text(text[config])
     config = str(tmp_path / "broken.py")
-  r = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "loopjax.main",
-      f"--config={config}",
-      f"--workdir={tmp_path}",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=120,
-  )
+  cmd = [sys.executable, "-m", "loopjax.main", f"--config={config}"]
+  r = in_process([*cmd, f"--workdir={tmp_path}"])
   lines = r.stderr.strip().splitlines()
   assert r.returncode == 2 and len(lines) == 1, r.stderr
   assert re.match(message, lines[0]), r.stderr

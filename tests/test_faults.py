@@ -15,7 +15,15 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_ENV, cli, losses, main_in_process, run, steps_on_disk
+from conftest import (
+  CPU_ENV,
+  cli,
+  in_process,
+  losses,
+  main_in_process,
+  run,
+  steps_on_disk,
+)
 
 from loopjax import checkpoint, metrics, train
 from loopjax.errors import ConfigError
@@ -381,7 +389,7 @@ def test_unusable_paths_fail_in_one_line(tmp_path, flag, message):
   blocker = tmp_path / "a_file"  # a path under a regular file: not creatable,
   blocker.write_text("")  # even for root (CI containers often run as root)
   # The flag comes last: it wins over cli's own --workdir / data_dir.
-  proc = run(cli(tmp_path / "run", tmp_path / "data", flag.format(f=blocker)))
+  proc = in_process(cli(tmp_path / "run", tmp_path / "data", flag.format(f=blocker)))
   lines = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
   assert proc.returncode == 2 and lines, proc.stderr[-2000:]
   assert lines[0].startswith("error: " + message.format(f=blocker)), lines
@@ -446,7 +454,7 @@ def test_a_cut_short_config_json_is_named_in_one_line(tmp_path, mode):
   cmd = cli(workdir, tmp_path / "data", f"--mode={mode}")
   if mode == "eval":  # the workdir's config.json is the config
     cmd = [x for x in cmd if not x.startswith("--config")]
-  proc = run(cmd)
+  proc = in_process(cmd)
   assert proc.returncode == 2, proc.stderr[-2000:]
   assert proc.stderr.strip().splitlines()[-1] == (
     f"error: {workdir / 'config.json'}: not valid JSON (Unterminated string "

@@ -25,8 +25,7 @@ from loopjax.loss import lm_loss_fn
 from loopjax.pretrained import init_from
 from loopjax.pretrained.load import load
 from loopjax.state import Model, sharded_train_state
-from tests.conftest import cli, losses
-from tests.conftest import run as run_cmd
+from tests.conftest import cli, in_process, losses
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -228,7 +227,7 @@ def test_the_command_line_refuses_a_bad_split_before_the_workdir_exists(tmp_path
     f"--config.data.source={c.data.source}",
   )
   cmd[3] = "--config=experiments/lm.py:retrofit_tiny"
-  r = run_cmd(cmd)
+  r = in_process(cmd)
   assert r.returncode == 2 and r.stderr.strip().splitlines() == [
     "error: model.hf_split: prelude, core and coda layers must fit in the "
     "model's 3 layers (at most 3 in all) with a core of at least 1; got 2,0,1"

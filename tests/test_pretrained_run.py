@@ -17,7 +17,7 @@ from loopjax import restore
 from loopjax.errors import ConfigError
 from loopjax.lm import pretrained, sample
 from loopjax.pretrained import load
-from tests.conftest import run as run_cmd
+from tests.conftest import in_process
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
 
@@ -157,7 +157,7 @@ def test_the_command_line_refuses_bad_input_with_one_line(tmp_path):
     ([f"--config.model.hf_dir={unknown}"], "model_type must be one of"),
     ([f"--config.model.hf_dir={FIXTURES / 'ouro'}", "--mode=train"], "--mode=train"),
   ]:
-    res = run_cmd(base + extra)
+    res = in_process(base + extra)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], res.stderr
