@@ -226,9 +226,14 @@ def main(argv):
   devices = target.devices if target else jax.devices()
   check = passes.check_pretrained if restore.pretrained(config) else passes.check
   on_pass = _printer(target.bytes_per_device if target else None)
-  # A cached executable skips the compile and with it XLA's warnings and time.
+  # A cached executable skips the compile and with it XLA's warnings and time;
+  # the cache is back on after (main may run in a process that goes on).
+  cache = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
-  report = check(config, devices, target, FLAGS.passes, on_pass)
+  try:
+    report = check(config, devices, target, FLAGS.passes, on_pass)
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(report, f, indent=2, default=str)

@@ -12,11 +12,13 @@ from unittest import mock
 
 # LLVM's optimizations off: the suite's programs are tiny, so compiling them is
 # most of its time, and faster code buys nothing (one core, tests of the model,
-# analysis and recurrence: 196 s -> 105 s). Numerics are IEEE either way.
+# analysis and recurrence: 196 s -> 105 s). XLA:CPU's older fusion emitter: an
+# op run outside jit compiles in ~25 ms instead of ~45 (test_analysis and a
+# resume test: 50 s -> 29 s). Numerics are IEEE either way.
 os.environ.setdefault(
   "XLA_FLAGS",
   "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-  " --xla_llvm_disable_expensive_passes=true",
+  " --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false",
 )
 # CPU tests, whatever else is installed: the `targets` extra's libtpu and CUDA
 # plugin serve compile-only topologies (tests/test_launch.py), not devices.
@@ -228,6 +230,8 @@ def main_in_process(*argv, entry: str = "main") -> tuple[int, list[str]]:
   from loopjax import cli
 
   main = importlib.import_module(f"loopjax.{entry}")
+  if main.__spec__.submodule_search_locations:  # a package: `-m` runs its __main__
+    main = importlib.import_module(f"loopjax.{entry}.__main__")
   FLAGS = flags.FLAGS
   for name in [n for n in FLAGS if n.startswith("config.")]:
     delattr(FLAGS, name)  # config_flags defines one flag per override

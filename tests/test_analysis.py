@@ -115,9 +115,13 @@ def _states(layers_RL):
   return jnp.asarray(np.repeat(h, 2, 3))
 
 
+# Jitted: one compile per shape, where its ops one by one each compile.
+_from_stream = jax.jit(fixed_points.from_stream, static_argnums=1)
+
+
 def _fixed(layers_RL, margin=0.01):
   real = np.ones((1, 2), bool)
-  ex = fixed_points.from_stream(_states(layers_RL), unit_rms, real)
+  ex = _from_stream(_states(layers_RL), unit_rms, real)
   return ex, fixed_points.summarize(jax.device_get(ex), 1e-3, 0.9, margin)
 
 

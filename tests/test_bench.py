@@ -1,11 +1,10 @@
 """Benchmarks run and measure what they claim (speed itself is not tested here)."""
 
 import importlib.util
-import subprocess
 import sys
 
 import pytest
-from conftest import CPU_ENV
+from conftest import in_process
 
 from experiments import bench, sysgen
 from loopjax.bench import first_step, steps
@@ -153,23 +152,15 @@ def test_first_step_times_a_fresh_start_and_two_restarts(tmp_path):
       ["step", "--config=experiments/bench.py", "--config.model.d_model=-1"],
       "model.d_model: must be >= 1",
     ),
-    pytest.param(
-      ["step", "--config=experiments/nope.py"],
-      "cannot load the config file",
-      marks=pytest.mark.slow,
-    ),
-    pytest.param(["step"], "step: --config is required", marks=pytest.mark.slow),
-    pytest.param(
+    (["step", "--config=experiments/nope.py"], "cannot load the config file"),
+    (["step"], "step: --config is required"),
+    (
       ["step", "--config=experiments/extrapolation.py"],
       "step: the config has no `bench` section",
-      marks=pytest.mark.slow,
     ),
   ],
-)  # each ~6 s (a process that imports JAX): three in the slow tier
+)  # in this process (conftest.in_process): a process each would start JAX
 def test_a_bad_benchmark_command_is_one_line(args, says):
-  r = subprocess.run(
-    [sys.executable, "-m", "loopjax.bench", *args],
-    capture_output=True, text=True, env=CPU_ENV, timeout=120,
-  )  # fmt: skip
+  r = in_process([sys.executable, "-m", "loopjax.bench", *args])
   assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
   assert r.stderr.startswith("error: ") and says in r.stderr, r.stderr

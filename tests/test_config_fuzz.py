@@ -660,15 +660,13 @@ _aot_sized = st.tuples(
 
 
 def _check_aot_size(field, value, *flags):
-  cache = jax.config.jax_enable_compilation_cache
   start = time.monotonic()
-  try:
-    code, lines = main_in_process(
-      "--config=experiments/lm.py:tiny", f"--config.{field}={value}", *flags,
-      entry="aot",
-    )  # fmt: skip
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache)
+  cache = jax.config.jax_enable_compilation_cache
+  code, lines = main_in_process(
+    "--config=experiments/lm.py:tiny", f"--config.{field}={value}", *flags,
+    entry="aot",
+  )  # fmt: skip
+  assert jax.config.jax_enable_compilation_cache == cache  # aot turned it back
   case = (field, value, flags)
   assert code == 2, (case, code, lines)
   _one_line_or_ok(code, lines, case, time.monotonic() - start, 30)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_ENV
+from conftest import CPU_ENV, in_process
 
 from launch import slurm, sweep, tpu
 from loopjax import compiled
@@ -125,8 +125,12 @@ def test_sweep_on_tpu_installs_once(tmp_path, capsys):
   assert out.count("tar xf") == 1 and out.count("loopjax.main") == 3
 
 
-def _aot(*flags, config="experiments/sysgen.py:tiny"):
+def _aot(*flags, config="experiments/sysgen.py:tiny", run=None):
+  """`python -m loopjax.aot` in a process of its own, or given `run=in_process`
+  in this one (a refusal before anything compiles: no process start to pay)."""
   cmd = [sys.executable, "-m", "loopjax.aot", f"--config={config}", *flags]
+  if run is not None:
+    return run(cmd)
   return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
 
 
@@ -224,7 +228,7 @@ def test_aot_compiles_only_the_passes_named(tmp_path):
   ["gpu:h100", "gpu:v100:1x1x8", "gpu:h200:1x0x8", "tpu:v9:4x4", "tpu:v5e:4x4:0"],
 )
 def test_aot_refuses_an_unknown_target_in_one_line(target):
-  out = _aot(f"--target={target}")
+  out = _aot(f"--target={target}", run=in_process)
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
     "error: --target: must be tpu:GEN:AxB[xC][:SLICES] (GEN: v4, v5e, v5p, v6e) "
@@ -361,8 +365,9 @@ def test_aot_refuses_rules_that_split_a_tensor_twice_over_one_mesh_axis():
   rules = "(('batch','data'),('vocab','fsdp'),('embed','tensor'),('mlp','tensor'))"
   flags = ("--devices=8", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
   out = _aot(
-    *flags, f"--config.sharding.rules={rules}", config="experiments/lm.py:tiny"
-  )
+    *flags, f"--config.sharding.rules={rules}", config="experiments/lm.py:tiny",
+    run=in_process,
+  )  # fmt: skip
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
     "error: sharding.rules: embed, mlp would split one tensor over mesh axis "
@@ -396,8 +401,9 @@ def test_aot_refuses_a_model_larger_than_the_host_before_building_it():
   footprint's lower bound refuses it before a block is built or a pass
   lowered, naming the model's fields (libtpu used to abort on such sizes)."""
   out = _aot(
-    "--devices=8", "--config.model.d_model=65536", "--config.model.num_layers=8"
-  )
+    "--devices=8", "--config.model.d_model=65536", "--config.model.num_layers=8",
+    run=in_process,
+  )  # fmt: skip
   assert out.returncode == 2, out.stderr[-2000:]
   assert re.fullmatch(
     r"error: model\.d_model, model\.num_layers, model\.mlp_ratio, mesh\.fsdp, "
@@ -427,7 +433,7 @@ def test_aot_on_cpu_devices_refuses_a_compiled_step_larger_than_the_host():
 
 
 def test_aot_names_a_mesh_that_does_not_fit():
-  out = _aot("--devices=8", "--config.mesh.data=3")
+  out = _aot("--devices=8", "--config.mesh.data=3", run=in_process)
   assert out.returncode == 2
   assert out.stderr.strip().splitlines() == [
     "error: mesh: data x fsdp x tensor must equal the 8 devices; got data=3, "

@@ -118,9 +118,11 @@ def test_blocked_attention_and_its_gradient_equal_the_explicit_softmax(
 
   assert len(blocked_attention.blocks(T)) == min(3, max_blocks)
   assert T % blocked_attention.block_len(T)
+  # Jitted: one compile each, where op by op dispatch took ~15 s on a CPU.
+  explicit, blocked = jax.jit(explicit), jax.jit(blocked)
   np.testing.assert_allclose(blocked(q, k, v), explicit(q, k, v), atol=1e-5)
   ga, gb = (
-    jax.grad(lambda *a, f=f: (f(*a) * w).sum(), (0, 1, 2))(q, k, v)
+    jax.jit(jax.grad(lambda *a, f=f: (f(*a) * w).sum(), (0, 1, 2)))(q, k, v)
     for f in (explicit, blocked)
   )
   for a, b in zip(ga, gb, strict=True):
