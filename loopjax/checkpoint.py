@@ -238,14 +238,27 @@ def _check_part(part, checksums: dict[str, int] | None, step: int) -> None:
     raise ValueError(f"checkpoint {step} {'; '.join(why)} (another model's?)")
 
 
+# What says a read failed because the storage did not answer: a status name
+# (TensorStore, gRPC), an HTTP code on the exception (gcsfs, google-cloud), an
+# exception type; never a number in the message (a byte count, 45034, held
+# "503": a truncated step passed for a busy bucket, the run stopped).
+_TRANSIENT_STATUS = re.compile(
+  r"\b(UNAVAILABLE|DEADLINE_EXCEEDED|RESOURCE_EXHAUSTED)\b"
+)
+_TRANSIENT_HTTP = (429, 500, 502, 503, 504)
+_TRANSIENT_TYPES = ("ServiceUnavailable", "TooManyRequests", "Timeout")
+
+
 def _unreachable(e: BaseException) -> bool:
   """A read that failed because the storage did not answer (a bucket's 5xx,
   429, a timeout), which says nothing about the checkpoint."""
-  transient = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "503")
   while e is not None:
-    if type(e).__name__ in ("ServiceUnavailable", "TooManyRequests", "Timeout"):
+    if (
+      type(e).__name__ in _TRANSIENT_TYPES
+      or getattr(e, "code", None) in _TRANSIENT_HTTP
+    ):
       return True
-    if any(t in str(e).split("See full TensorStore")[0] for t in transient):
+    if _TRANSIENT_STATUS.search(str(e).split("See full TensorStore")[0]):
       return True
     e = e.__cause__ or e.__context__
   return False

@@ -237,18 +237,21 @@ def test_trace_is_the_forward_pass():
   model = LoopedTransformer(cfg, 30, 3, rngs=nnx.Rngs(0))
   tokens = jnp.array([[1, 2, 3], [4, 5, PAD]])
   pos = jnp.array([2, 1])
-  trace = model.trace(tokens, 3)
+  # Jitted: one compile each, where op by op every op compiles.
+  trace = nnx.jit(lambda m, t: m.trace(t, 3))(model, tokens)
   assert trace["core"]["hidden"].shape == (3, 2, 2, 3, cfg.d_model)
   assert trace["core"]["attn"].shape == (3, 2, 2, cfg.num_heads, 3, 3)
   h_BTD = trace["coda"]["hidden"][-1]
-  np.testing.assert_allclose(
-    model.logits(h_BTD[jnp.arange(2), pos]), model(tokens, pos, num_loops=3), atol=1e-5
-  )
+  answer = nnx.jit(lambda m, t, p: m(t, p, num_loops=3))(model, tokens, pos)
+  logits = nnx.jit(lambda m, h: m.logits(h))(model, h_BTD[jnp.arange(2), pos])
+  np.testing.assert_allclose(logits, answer, atol=1e-5)
   # Iteration r's last layer, through the coda, is the answer after r iterations.
-  per_iteration = jax.vmap(lambda h: model.readout(h, pos))(
-    trace["core"]["hidden"][:, -1]
+  per_iteration = nnx.jit(lambda m, h_R, p: jax.vmap(lambda h: m.readout(h, p))(h_R))(
+    model, trace["core"]["hidden"][:, -1], pos
   )
-  _, logits_RBV = model(tokens, pos, num_loops=3, per_iteration=True)
+  _, logits_RBV = nnx.jit(lambda m, t, p: m(t, p, num_loops=3, per_iteration=True))(
+    model, tokens, pos
+  )
   np.testing.assert_allclose(per_iteration, logits_RBV, atol=1e-5)
   attn = np.asarray(trace["core"]["attn"])
   np.testing.assert_allclose(attn.sum(-1), 1, rtol=1e-5)

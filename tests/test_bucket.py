@@ -122,6 +122,7 @@ def test_every_mode_reads_the_bucket_run(straight, trained, gcs, tmp_path):
   assert list(here.iterdir()) == [] and not Path("gs:").exists()  # this cwd
 
 
+@pytest.mark.slow  # ~20 s, two processes; bucket reads: test_every_mode_reads_...
 def test_an_evaluation_job_follows_a_trainer_on_a_bucket(straight, gcs, bucket):
   config, _ = straight
   workdir = f"{bucket}/run"
@@ -277,6 +278,7 @@ def test_only_one_of_two_racing_newcomers_gets_the_lease(gcs, bucket):
     a._write(if_generation_match=a._generation)
 
 
+@pytest.mark.slow  # ~12 s, a process; LeaseLost: test_a_stale_lease_is_taken_over_...
 def test_a_trainer_that_lost_its_lease_stops_saving_nothing(straight, gcs, bucket):
   config, _ = straight
   workdir = f"{bucket}/run"

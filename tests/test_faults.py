@@ -476,3 +476,32 @@ def test_a_failed_write_names_the_os_error_once(error):
     with checkpoint._writing():
       raise error
   assert str(raised.value).count("File too large") == 1, raised.value
+
+
+def _chained(outer: Exception, cause: Exception) -> Exception:
+  outer.__cause__ = cause
+  return outer
+
+
+def test_a_storage_that_did_not_answer_is_told_from_a_damaged_step():
+  """A busy bucket stops the run with nothing set aside; a damaged step is
+  set aside. A truncated step's byte count (45034) once read as HTTP 503."""
+
+  class HttpError(Exception):  # gcsfs's: the status as `code`
+    code = 503
+
+  truncated = _chained(
+    Exception("Encountered error while reading array index: (slice(0, 32, 1),)."),
+    ValueError(
+      'OUT_OF_RANGE: Error reading "params.w/0.0" in OCDBT database: Requested '
+      "byte range [37113, 48523) is not valid for value of size 45034"
+    ),
+  )
+  assert not checkpoint._unreachable(truncated)
+  assert not checkpoint._unreachable(ValueError("checksum mismatch at 503 leaves"))
+  for busy in (
+    _chained(Exception("reading array index"), ValueError("UNAVAILABLE: code 503")),
+    _chained(Exception("reading"), HttpError("Service Unavailable")),
+    ValueError("DEADLINE_EXCEEDED: GET gs://b/run/checkpoints/80"),
+  ):
+    assert checkpoint._unreachable(busy), busy

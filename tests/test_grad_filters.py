@@ -234,6 +234,7 @@ def accelerated(c):
   return c
 
 
+@pytest.mark.slow  # ~15 s: four runs
 def test_a_run_with_every_accelerator_resumes_bit_for_bit(tiny_config, tmp_path):
   """The filter's state is in the checkpoint: stopped at 20 and resumed, the
   run logs the losses of one that never stopped; and it is not the plain

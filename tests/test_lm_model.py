@@ -51,8 +51,11 @@ def test_fused_attention_equals_the_explicit_weights(length):
   attn = model().core[0].attn
   x = jax.random.normal(jax.random.key(1), (2, length, 32))
   seg = jnp.asarray(np.repeat([[0] * 10 + [1] * (length - 10)], 2, 0), jnp.int32)
-  fused = attn(x, segments_BT=seg)
-  explicit, probs = attn(x, with_probs=True, segments_BT=seg)
+  # Jitted: one compile each, where op by op every op compiles.
+  fused = nnx.jit(lambda a, x, s: a(x, segments_BT=s))(attn, x, seg)
+  explicit, probs = nnx.jit(lambda a, x, s: a(x, with_probs=True, segments_BT=s))(
+    attn, x, seg
+  )
   np.testing.assert_allclose(fused, explicit, atol=1e-5)
   assert float(probs[:, :, 12, :10].max()) == 0.0  # doc 2 never attends to doc 1
 

@@ -66,6 +66,7 @@ def test_resume_equals_uninterrupted(tiny_config, tmp_path):
   assert evals[0]["eval/test_inferred_id/acc"] == last["eval/test_inferred_id/acc"]
 
 
+@pytest.mark.slow  # ~11 s; a fork in the default tier: test_bucket (bucket to disk)
 def test_a_fork_trains_on_from_its_sources_checkpoint(tiny_config, tmp_path):
   tiny_config.train.num_steps = 40
   train.train_and_evaluate(tiny_config, tmp_path / "source")  # saves 20, 40
@@ -130,6 +131,7 @@ def test_the_step_compiles_once_and_its_memory_is_checked_before_it_runs(
   assert steps_on_disk(tmp_path / "big") == []
 
 
+@pytest.mark.slow  # ~10 s: three runs
 def test_compile_metrics_are_logged_once_per_compile_not_at_each_resume(
   tiny_config, tmp_path
 ):
