@@ -154,8 +154,9 @@ def parts(smoke: bool, scratch: pathlib.Path) -> list[Part]:
     ),
     # Skipping the iterations past a sampled depth (a conditional each) against
     # masking them: on a GPU a conditional may cost a sync, and the tiny model
-    # (launch-bound) is where that shows.
-    Part("depth", t(120, 150), _bench("depth", f"{bench}:default", *step_overrides)),
+    # (launch-bound) is where that shows. Its ~20 programs take a CPU ~2 min
+    # to compile (the smoke ran out at 120 s on one core of an EPYC VM).
+    Part("depth", t(300, 150), _bench("depth", f"{bench}:default", *step_overrides)),
     Part(
       "train_sysgen_paper",
       t(60, 420),
