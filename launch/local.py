@@ -56,6 +56,19 @@ def _relay(name, stream) -> None:
     sys.stdout.flush()
 
 
+def cpu_env(environ, devices: int) -> dict:
+  """`environ` for a process of `devices` CPU devices; the other XLA flags
+  kept, so each process compiles what one process would (a flag that changes
+  XLA:CPU's emitters changes the numbers)."""
+  kept = [
+    f
+    for f in environ.get("XLA_FLAGS", "").split()
+    if not f.startswith("--xla_force_host_platform_device_count=")
+  ]
+  flags = " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+  return dict(environ) | {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+
+
 def main(argv=None) -> int:
   p = slurm.Parser(description=__doc__.split("\n")[0])
   p.add_argument("--num_processes", type=int, default=2)
@@ -71,11 +84,7 @@ def main(argv=None) -> int:
     p.error("the command to run goes after --")
   k = args.devices_per_process
   if args.cpu:
-    env = os.environ | {
-      "JAX_PLATFORMS": "cpu",
-      "XLA_FLAGS": f"--xla_force_host_platform_device_count={k}",
-    }
-    envs = [env] * args.num_processes
+    envs = [cpu_env(os.environ, k)] * args.num_processes
   else:  # process i uses GPUs i*k .. i*k+k-1, not all of them
     envs = [
       os.environ | {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(i * k, i * k + k)))}

@@ -457,3 +457,17 @@ def test_a_launchers_bad_argument_is_one_line(argv):
   )
   assert r.returncode == 2 and r.stdout == "", r
   assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: "), r.stderr
+
+
+def test_local_processes_keep_the_users_xla_flags_beside_their_device_count():
+  """Two CPU processes compile what one process does: the flags the user (or
+  the tests) set stay, the device count is the launcher's. (It once replaced
+  them all: the 2-process analysis differed from one process's numbers.)"""
+  from launch import local
+
+  environ = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_foo=1"}
+  env = local.cpu_env(environ, 4)
+  assert env["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+  assert env["JAX_PLATFORMS"] == "cpu" and local.cpu_env({}, 2)["XLA_FLAGS"] == (
+    "--xla_force_host_platform_device_count=2"
+  )
