@@ -14,7 +14,9 @@ from unittest import mock
 # most of its time, and faster code buys nothing (one core, tests of the model,
 # analysis and recurrence: 196 s -> 105 s). XLA:CPU's older fusion emitter: an
 # op run outside jit compiles in ~25 ms instead of ~45 (test_analysis and a
-# resume test: 50 s -> 29 s). Numerics are IEEE either way.
+# resume test: 50 s -> 29 s). Its transcendentals may differ in the last bits
+# from the default emitter's: a test's subprocesses get these flags too
+# (CPU_ENV; launch/local.py keeps them), so their numbers match in-process ones.
 os.environ.setdefault(
   "XLA_FLAGS",
   "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import CPU_ENV, in_process
+from conftest import CPU_ENV, in_process, run
 
 from launch import slurm, sweep, tpu
 from loopjax import compiled
@@ -125,13 +125,10 @@ def test_sweep_on_tpu_installs_once(tmp_path, capsys):
   assert out.count("tar xf") == 1 and out.count("loopjax.main") == 3
 
 
-def _aot(*flags, config="experiments/sysgen.py:tiny", run=None):
+def _aot(*flags, config="experiments/sysgen.py:tiny", run=run):
   """`python -m loopjax.aot` in a process of its own, or given `run=in_process`
   in this one (a refusal before anything compiles: no process start to pay)."""
-  cmd = [sys.executable, "-m", "loopjax.aot", f"--config={config}", *flags]
-  if run is not None:
-    return run(cmd)
-  return subprocess.run(cmd, capture_output=True, text=True, env=CPU_ENV, timeout=300)
+  return run([sys.executable, "-m", "loopjax.aot", f"--config={config}", *flags])
 
 
 def test_aot_compiles_for_a_target_mesh_and_reports_memory(tmp_path):
